@@ -1,0 +1,46 @@
+"""The layout digest: which cache layout a hybrid key's bytes were written in.
+
+Two instances may share an object only if they cut the KV cache the same way: same TP size,
+same layers in each group, same page format. The digest is the interoperable definition
+(vllm-ascend's hybrid keys use the same one): sha256 hex of ``json.dumps((tp_size,
+[(sorted(layer_names), signature), ...]), sort_keys=True)``, with the namespace first when
+there is one. Signatures must be JSON: a ``repr`` fallback would differ between processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+
+def layout_digest(
+    tp_size: int,
+    groups: Iterable[tuple[Iterable[str], object]],
+    namespace: str | None = None,
+) -> str:
+    """sha256 hex naming a cache layout; ``groups`` is ``(layer_names, signature)`` per group.
+
+    Layer order within a group does not matter; group order, TP size, membership,
+    signatures and namespace do.
+    """
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool):
+        raise TypeError(f"tp_size must be an int, got {type(tp_size).__name__}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be positive, got {tp_size}")
+    if namespace is not None and not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
+    described = []
+    for index, (layer_names, signature) in enumerate(groups):
+        if isinstance(layer_names, str):
+            raise TypeError(f"groups[{index}]: layer_names must be a collection of str, not a str")
+        names = list(layer_names)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"groups[{index}]: every layer name must be a str: {names!r}")
+        described.append((sorted(names), signature))
+    payload = (tp_size, described) if namespace is None else (namespace, tp_size, described)
+    try:
+        text = json.dumps(payload, sort_keys=True)
+    except TypeError as exc:
+        raise TypeError(f"every group signature must be a JSON value: {exc}") from exc
+    return hashlib.sha256(text.encode()).hexdigest()

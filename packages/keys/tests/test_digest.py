@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from hybridkv.keys import HybridKey, layout_digest
+from hypothesis import given
+from hypothesis import strategies as st
+
+SIGNATURE_A = {"kind": "full", "page_bytes": 65536, "dtype": "bfloat16"}
+SIGNATURE_B = {"kind": "mamba", "page_bytes": [4096, 1024]}
+GROUPS = [(["layers.0.attn", "layers.3.attn"], SIGNATURE_A), (["layers.1.mixer"], SIGNATURE_B)]
+
+
+def test_digest_is_the_interoperable_definition() -> None:
+    payload = (
+        2,
+        [(["layers.0.attn", "layers.3.attn"], SIGNATURE_A), (["layers.1.mixer"], SIGNATURE_B)],
+    )
+    expected = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    assert layout_digest(2, GROUPS) == expected
+    namespaced = hashlib.sha256(json.dumps(("ns", *payload), sort_keys=True).encode()).hexdigest()
+    assert layout_digest(2, GROUPS, namespace="ns") == namespaced
+
+
+def test_digest_is_a_layout_token() -> None:
+    digest = layout_digest(1, GROUPS)
+    assert len(digest) == 64
+    HybridKey("m", digest, 0, 16, "00", 0)
+
+
+NAMES = st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6, unique=True)
+
+
+@given(NAMES, st.randoms())
+def test_layer_order_within_a_group_does_not_matter(names: list[str], random: object) -> None:
+    shuffled = list(names)
+    random.shuffle(shuffled)  # type: ignore[attr-defined]
+    assert layout_digest(2, [(names, SIGNATURE_A)]) == layout_digest(2, [(shuffled, SIGNATURE_A)])
+    assert layout_digest(2, [(tuple(names), SIGNATURE_A)]) == layout_digest(
+        2, [(set(names), SIGNATURE_A)]
+    )
+
+
+def test_signature_dict_order_does_not_matter() -> None:
+    reordered = dict(reversed(list(SIGNATURE_A.items())))
+    assert layout_digest(1, [(["a"], SIGNATURE_A)]) == layout_digest(1, [(["a"], reordered)])
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "groups", "namespace"),
+    [
+        (4, GROUPS, None),  # TP size
+        (2, list(reversed(GROUPS)), None),  # group order
+        (
+            2,
+            [(["layers.0.attn"], SIGNATURE_A), (["layers.1.mixer", "layers.3.attn"], SIGNATURE_B)],
+            None,
+        ),  # membership
+        (2, [(["layers.0.attn", "layers.3.attn"], SIGNATURE_A)], None),  # a group fewer
+        (
+            2,
+            [GROUPS[0], (["layers.1.mixer"], {**SIGNATURE_B, "page_bytes": [4096, 2048]})],
+            None,
+        ),  # signature
+        (2, [GROUPS[0], (["layers.1.mixer"], SIGNATURE_A)], None),  # signature
+        (2, GROUPS, ""),  # namespace
+        (2, GROUPS, "tenant-a"),
+    ],
+)
+def test_what_changes_the_digest(
+    tp_size: int, groups: list[tuple[list[str], object]], namespace: str | None
+) -> None:
+    assert layout_digest(tp_size, groups, namespace) != layout_digest(2, GROUPS)
+
+
+@pytest.mark.parametrize("signature", [object(), {1, 2}, b"bytes", {"page": complex(1, 2)}])
+def test_non_json_signature_is_a_type_error(signature: object) -> None:
+    with pytest.raises(TypeError, match="JSON"):
+        layout_digest(1, [(["a"], signature)])
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "groups", "namespace", "error", "match"),
+    [
+        (0, GROUPS, None, ValueError, "tp_size"),
+        (True, GROUPS, None, TypeError, "tp_size"),
+        (1, [("layers.0", SIGNATURE_A)], None, TypeError, r"groups\[0\]"),
+        (1, [GROUPS[0], ([1, 2], SIGNATURE_A)], None, TypeError, r"groups\[1\]"),
+        (1, GROUPS, 3, TypeError, "namespace"),
+    ],
+)
+def test_bad_arguments(
+    tp_size: object, groups: object, namespace: object, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        layout_digest(tp_size, groups, namespace)  # type: ignore[arg-type]

@@ -1,0 +1,243 @@
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import pytest
+from hybridkv.keys import BlockHasher
+from hypothesis import given
+from hypothesis import strategies as st
+
+TOKENS = st.integers(0, 2**32 - 1)
+EXTRAS = st.none() | st.text(max_size=8) | st.lists(st.integers() | st.text(max_size=4))
+
+
+def reference_hashes(
+    block_size: int, namespace: str, blocks: Sequence[tuple[Sequence[int], object]]
+) -> list[bytes]:
+    """The documented chain, block by block, straight from its definition."""
+    previous = hashlib.sha256(
+        b"hybridkv-block-hash-v1\0" + block_size.to_bytes(8, "little") + namespace.encode()
+    ).digest()
+    hashes = []
+    for tokens, extra in blocks:
+        assert len(tokens) == block_size
+        salt = b""
+        if extra is not None:
+            salt = hashlib.sha256(
+                json.dumps(extra, sort_keys=True, separators=(",", ":")).encode()
+            ).digest()
+        encoded = b"".join(token.to_bytes(4, "little") for token in tokens)
+        previous = hashlib.sha256(previous + salt + encoded).digest()
+        hashes.append(previous)
+    return hashes
+
+
+@st.composite
+def split_calls(draw: st.DrawFn) -> tuple[int, list[tuple[list[int], object]]]:
+    """A block size and tokens cut into extend calls at arbitrary points, each with an extra."""
+    block_size = draw(st.integers(1, 8))
+    calls: list[tuple[list[int], object]] = draw(
+        st.lists(st.tuples(st.lists(TOKENS, max_size=20), EXTRAS), max_size=8)
+    )
+    return block_size, calls
+
+
+@given(split_calls(), st.text(max_size=10))
+def test_matches_the_documented_chain(
+    case: tuple[int, list[tuple[list[int], object]]], namespace: str
+) -> None:
+    block_size, calls = case
+    hasher = BlockHasher(block_size, namespace)
+    returned: list[bytes] = []
+    # Each block takes the extra of the call that completes it.
+    blocks: list[tuple[Sequence[int], object]] = []
+    fed: list[int] = []
+    for tokens, extra in calls:
+        returned += hasher.extend(tokens, extra=extra)
+        fed += tokens
+        while len(fed) - len(blocks) * block_size >= block_size:
+            start = len(blocks) * block_size
+            blocks.append((fed[start : start + block_size], extra))
+    assert hasher.hashes == returned == reference_hashes(block_size, namespace, blocks)
+    assert hasher.num_tokens == len(fed)
+
+
+@given(st.integers(1, 8), st.lists(TOKENS, max_size=60), st.lists(st.integers(0, 60)), EXTRAS)
+def test_call_splitting_does_not_matter_with_request_extras(
+    block_size: int, tokens: list[int], cuts: list[int], extra: object
+) -> None:
+    whole = BlockHasher(block_size, "ns")
+    whole.extend(tokens, extra=extra)
+    pieces = BlockHasher(block_size, "ns")
+    edges = [0, *sorted(min(cut, len(tokens)) for cut in cuts), len(tokens)]
+    for start, end in itertools.pairwise(edges):
+        pieces.extend(tokens[start:end], extra=extra)
+    assert pieces.hashes == whole.hashes
+    assert len(whole.hashes) == len(tokens) // block_size
+
+
+@given(st.integers(1, 8), st.lists(TOKENS, min_size=1, max_size=64), st.data())
+def test_a_changed_token_changes_every_later_hash_and_no_earlier_one(
+    block_size: int, tokens: list[int], data: st.DataObject
+) -> None:
+    position = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[position] = data.draw(TOKENS.filter(lambda token: token != tokens[position]))
+    before = BlockHasher(block_size, "ns")
+    before.extend(tokens)
+    after = BlockHasher(block_size, "ns")
+    after.extend(changed)
+    first_changed = position // block_size
+    assert after.hashes[:first_changed] == before.hashes[:first_changed]
+    for old, new in zip(before.hashes[first_changed:], after.hashes[first_changed:], strict=True):
+        assert old != new
+
+
+@given(st.integers(1, 8), st.lists(TOKENS, max_size=64), st.lists(TOKENS, max_size=64))
+def test_equal_prefixes_give_equal_hashes(
+    block_size: int, prefix: list[int], suffix: list[int]
+) -> None:
+    short = BlockHasher(block_size, "ns")
+    short.extend(prefix)
+    long = BlockHasher(block_size, "ns")
+    long.extend(prefix + suffix)
+    full_prefix_blocks = len(prefix) // block_size
+    assert long.hashes[:full_prefix_blocks] == short.hashes
+
+
+def test_extra_changes_the_blocks_of_its_call_and_later_ones_only() -> None:
+    plain = BlockHasher(4, "ns")
+    plain.extend(range(8))
+    plain.extend(range(8, 16))
+    salted = BlockHasher(4, "ns")
+    salted.extend(range(8))
+    salted.extend(range(8, 16), extra={"lora": "a", "salt": None})
+    assert salted.hashes[:2] == plain.hashes[:2]
+    assert all(a != b for a, b in zip(salted.hashes[2:], plain.hashes[2:], strict=True))
+    other = BlockHasher(4, "ns")
+    other.extend(range(8))
+    other.extend(range(8, 16), extra={"lora": "b", "salt": None})
+    assert other.hashes[2:] != salted.hashes[2:]
+
+
+def test_extra_dict_key_order_does_not_matter() -> None:
+    first = BlockHasher(2, "ns")
+    first.extend([1, 2], extra={"a": 1, "b": [2, 3]})
+    second = BlockHasher(2, "ns")
+    second.extend([1, 2], extra={"b": [2, 3], "a": 1})
+    assert first.hashes == second.hashes
+
+
+@pytest.mark.parametrize(("left", "right"), [((4, "a"), (4, "b")), ((4, ""), (2, ""))])
+def test_namespace_and_block_size_separate_the_chains(
+    left: tuple[int, str], right: tuple[int, str]
+) -> None:
+    one = BlockHasher(*left)
+    one.extend(range(16))
+    two = BlockHasher(*right)
+    two.extend(range(16))
+    assert not set(one.hashes) & set(two.hashes)
+
+
+_CHILD = """
+import sys
+from hybridkv.keys import BlockHasher
+hasher = BlockHasher(16, "Qwen3-8B|lora:none")
+hasher.extend(range(0, 1000, 3), extra={"salt": "s", "mm": ["f1", 2]})
+hasher.extend(range(5000, 5100), extra={"salt": "s", "mm": ["f1", 2]})
+print(" ".join(h.hex() for h in hasher.hashes))
+"""
+
+
+def test_hashes_are_equal_across_processes_with_different_hash_seeds() -> None:
+    outputs = set()
+    for seed in ("0", "1", "4242", "random"):
+        result = subprocess.run(
+            [sys.executable, "-c", _CHILD],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outputs.add(result.stdout.strip())
+    assert len(outputs) == 1
+    (output,) = outputs
+    assert len(output.split()) == (334 + 100) // 16
+
+
+def test_boundary_hash_and_group_hashes() -> None:
+    hasher = BlockHasher(16, "ns")
+    hasher.extend(range(16 * 12 + 5))
+    hashes = hasher.hashes
+    assert len(hashes) == 12
+    assert hasher.boundary_hash(16) == hashes[0]
+    assert hasher.boundary_hash(16 * 12) == hashes[11]
+    assert hasher.hashes_for(16) == hashes
+    assert hasher.hashes_for(64) == [hashes[3], hashes[7], hashes[11]]
+    assert hasher.hashes_for(16 * 5) == [hashes[4], hashes[9]]
+    assert hasher.hashes_for(16 * 13) == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error"),
+    [(0, ValueError), (8, ValueError), (-16, ValueError), (16 * 13, ValueError), (16.0, TypeError)],
+)
+def test_boundary_hash_rejects(tokens: object, error: type) -> None:
+    hasher = BlockHasher(16, "ns")
+    hasher.extend(range(16 * 12))
+    with pytest.raises(error, match="tokens"):
+        hasher.boundary_hash(tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("size", "error"), [(0, ValueError), (24, ValueError), (True, TypeError)])
+def test_hashes_for_rejects(size: object, error: type) -> None:
+    with pytest.raises(error, match="group_block_size"):
+        BlockHasher(16, "ns").hashes_for(size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "namespace", "error"),
+    [(0, "", ValueError), (-1, "", ValueError), (True, "", TypeError), (16, b"ns", TypeError)],
+)
+def test_constructor_rejects(block_size: object, namespace: object, error: type) -> None:
+    with pytest.raises(error):
+        BlockHasher(block_size, namespace)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "extra", "error", "match"),
+    [
+        ([1, -1], None, ValueError, "token"),
+        ([1, 2**32], None, ValueError, "token"),
+        ([1.5], None, TypeError, "float"),
+        ([1, 2], object(), TypeError, "extra"),
+        ([1, 2], {1, 2}, TypeError, "extra"),
+    ],
+)
+def test_bad_input_is_rejected_and_leaves_the_state_alone(
+    tokens: list[object], extra: object, error: type, match: str
+) -> None:
+    hasher = BlockHasher(2, "ns")
+    hasher.extend([7, 8, 9])
+    before = (hasher.hashes, hasher.num_tokens)
+    with pytest.raises(error, match=match):
+        hasher.extend(tokens, extra=extra)  # type: ignore[arg-type]
+    assert (hasher.hashes, hasher.num_tokens) == before
+    hasher.extend([10])
+    reference = BlockHasher(2, "ns")
+    reference.extend([7, 8, 9, 10])
+    assert hasher.hashes == reference.hashes
+
+
+def test_hashes_is_a_copy() -> None:
+    hasher = BlockHasher(2, "ns")
+    hasher.extend([1, 2, 3, 4])
+    hasher.hashes.clear()
+    assert len(hasher.hashes) == 2
+    assert hasher.block_size == 2
