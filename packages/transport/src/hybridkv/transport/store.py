@@ -3,6 +3,19 @@
 The shape follows Mooncake's batch range/session API because it is the richest backend;
 an in-memory store and other pools (Memcache) implement the same protocol. Every batch call
 returns one `Status` per key so that one bad key never hides the fate of the others.
+Stores are used from several threads at once (the engine's send and receive threads).
+
+Semantics every backend keeps (the contract suite checks them on each):
+- an object in an open put session is invisible (`batch_is_readable` False, reads
+  NOT_READY) until `put_session_end`; `put_session_revoke` drops it for good;
+- a whole put of a key that already exists reports OK and keeps the old bytes
+  (keys are content-addressed); `put_session_start` on it reports EXISTS;
+- reads of absent keys report NOT_FOUND; ranges outside the object, whole reads into
+  pieces smaller than the object, and ranged calls without a session report INVALID
+  (a whole read into pieces larger than the object fails too: Mooncake says
+  TRANSFER_FAILED);
+- reads take a lease: `batch_remove` right after one reports LEASED unless forced.
+Malformed calls (lists of different lengths) raise `InvalidRequestError` before any I/O.
 """
 
 from __future__ import annotations
@@ -10,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from hybridkv.transport.errors import Status
+from hybridkv.transport.errors import InvalidRequestError, Status
 
 # One key's local memory: parallel lists of addresses and lengths, plus (for ranged calls)
 # the offset of each piece inside the remote object.
@@ -77,3 +90,16 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release the client; any later call raises `StoreClosed`, never crashes."""
+
+
+def check_batch(
+    operation: str, keys: Sequence[str], *columns: tuple[str, Sequence[Sequence[int]]]
+) -> None:
+    """Refuse a batch whose per-key lists disagree in length, before any byte moves."""
+    for name, column in columns:
+        if len(column) != len(keys):
+            raise InvalidRequestError(f"{operation}: {len(keys)} keys but {len(column)} {name}")
+    for index, key in enumerate(keys):
+        lengths = {name: len(column[index]) for name, column in columns}
+        if len(set(lengths.values())) > 1:
+            raise InvalidRequestError(f"{operation}: pieces of {key!r} disagree: {lengths}")

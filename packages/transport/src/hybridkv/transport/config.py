@@ -1,0 +1,116 @@
+"""Mooncake client settings, validated once at the edge.
+
+The field names are Mooncake's own (its `mooncake_config.py` JSON files), so an existing
+Mooncake config file works unchanged; sizes may be written as in Mooncake ("512MB", "4 GiB")
+or as byte counts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str, field: str = "size") -> int:
+    """Bytes from an int or a Mooncake size string; "512MB" and "512MiB" are both 512 << 20."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{field} must be a byte count or a string like '512MB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE_PATTERN.match(value)
+        if match is None:
+            raise ValueError(f"{field}: cannot read {value!r} as a size (e.g. 1048576, '512MB')")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size < 0:
+        raise ValueError(f"{field} must not be negative, got {value!r}")
+    return size
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How one process joins a Mooncake pool.
+
+    `global_segment_size` is the memory this process lends to the pool (0: store only into
+    other processes' segments, so written objects outlive this process);
+    `local_buffer_size` is the client's staging buffer.
+    """
+
+    master_server_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 512 << 20
+    local_buffer_size: int = 128 << 20
+    local_hostname: str = "127.0.0.1"
+    tenant_id: str = "default"
+    enable_ssd_offload: bool = False
+    ssd_offload_path: str = ""
+    enable_client_http_server: bool = False
+    client_http_port: int = 9300
+
+    def __post_init__(self) -> None:
+        if not _is_host_port(self.master_server_address):
+            raise ValueError(
+                f"master_server_address must be 'host:port', got {self.master_server_address!r}"
+            )
+        for field in ("metadata_server", "local_hostname", "protocol", "tenant_id"):
+            if not getattr(self, field).strip():
+                raise ValueError(f"{field} must not be empty")
+        if self.protocol != self.protocol.lower():
+            raise ValueError(f"protocol is matched case-sensitively: use {self.protocol.lower()!r}")
+        for field in ("global_segment_size", "local_buffer_size"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must not be negative, got {getattr(self, field)}")
+        if self.local_buffer_size == 0:
+            raise ValueError("local_buffer_size must be positive: the client stages through it")
+        if self.enable_ssd_offload and not self.ssd_offload_path:
+            raise ValueError("enable_ssd_offload needs ssd_offload_path")
+        if not 0 < self.client_http_port < 65536:
+            raise ValueError(f"client_http_port out of range: {self.client_http_port}")
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> MooncakeConfig:
+        """Build from Mooncake-style keys, naming every key it does not know."""
+        known = set(cls.__struct_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown Mooncake config keys: {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        if "master_server_address" not in values:
+            raise ValueError("Mooncake config needs master_server_address ('host:port')")
+        fields = dict(values)
+        for field in ("global_segment_size", "local_buffer_size"):
+            if field in fields:
+                fields[field] = parse_size(fields[field], field)
+        try:
+            return msgspec.convert(fields, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid Mooncake config: {exc}") from exc
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> MooncakeConfig:
+        """Read a Mooncake JSON config file (the format `MOONCAKE_CONFIG_PATH` points to)."""
+        try:
+            values = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
+        try:
+            return cls.from_mapping(values)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc

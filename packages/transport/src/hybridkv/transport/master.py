@@ -1,0 +1,243 @@
+"""Run a real `mooncake_master` as a child process on free loopback ports.
+
+Used by tests, the demo and the vLLM connector's embedded default. The child's output goes
+to a log file (a pipe nobody drains would fill and freeze it); it is stopped by PID, and
+any child still running when the interpreter exits is stopped then, so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+
+from hybridkv.transport.errors import StoreUnavailable
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nobody listens on right now (callers retry if another process races them)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def is_listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def find_master_binary() -> Path:
+    """`mooncake_master` shipped inside the mooncake wheel, else the one on PATH."""
+    spec = importlib.util.find_spec("mooncake")  # locates the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / "mooncake_master"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+    on_path = shutil.which("mooncake_master")
+    if on_path is not None:
+        return Path(on_path)
+    raise StoreUnavailable(
+        "mooncake_master not found next to the mooncake package nor on PATH; "
+        "install hybridkv-transport[mooncake]"
+    )
+
+
+_live: set[ChildProcess] = set()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    with _live_lock:
+        leftovers = list(_live)
+    for child in leftovers:
+        child.stop()
+
+
+class ChildProcess:
+    """A child whose output goes to a log file and which is stopped by its PID."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], env: dict[str, str], log_path: Path | None
+    ) -> None:
+        self.name = name
+        self._own_log = log_path is None
+        if log_path is None:
+            fd, raw_path = tempfile.mkstemp(prefix=f"hybridkv-{name}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(raw_path)
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env,
+            )  # fmt: skip
+        with _live_lock:
+            _live.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def running(self) -> bool:
+        return self._popen.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Poll `condition`; stop the child and raise if it exits or time runs out first."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if not self.running():
+                failure = f"{self.name} exited with {self._popen.returncode} before {what}"
+                self.stop(keep_log=True)
+                raise StoreUnavailable(f"{failure}; log {self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop(keep_log=True)
+                raise StoreUnavailable(
+                    f"{self.name} not {what} after {timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL now, as a crash would (fault tests); the log is kept."""
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.send_signal(signal.SIGKILL)
+        self._popen.wait()
+        self._forget()
+
+    def stop(self, timeout_s: float = 10.0, keep_log: bool = False) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; idempotent."""
+        if self.running():
+            self._popen.send_signal(signal.SIGTERM)
+            try:
+                self._popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+                self._popen.wait()
+        self._forget()
+        if self._own_log and not keep_log and self._popen.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)
+
+    def _forget(self) -> None:
+        with _live_lock:
+            _live.discard(self)
+
+
+class MasterProcess:
+    """A `mooncake_master` listening on loopback; `.address` is what clients connect to."""
+
+    def __init__(self, child: ChildProcess, host: str, rpc_port: int, metrics_port: int):
+        self._child = child
+        self.host = host
+        self.rpc_port = rpc_port
+        self.metrics_port = metrics_port
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        host: str = LOOPBACK,
+        rpc_port: int = 0,
+        lease_ttl_ms: int = 5000,
+        client_ttl_s: int | None = None,
+        eviction_high_watermark_ratio: float = 0.9,
+        eviction_ratio: float = 0.1,
+        extra_args: Sequence[str] = (),
+        binary: Path | None = None,
+        log_path: Path | None = None,
+        timeout_s: float = 30.0,
+        attempts: int = 3,
+    ) -> MasterProcess:
+        """Start and wait until it accepts connections (rpc_port 0: pick free ports)."""
+        executable = binary or find_master_binary()
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": host}
+        for attempt in range(1, attempts + 1):
+            port = rpc_port or free_port(host)
+            metrics_port = free_port(host)
+            argv = [
+                str(executable),
+                f"--rpc_address={host}",
+                f"--rpc_port={port}",
+                f"--metrics_host={host}",
+                f"--metrics_port={metrics_port}",
+                f"--eviction_high_watermark_ratio={eviction_high_watermark_ratio}",
+                f"--eviction_ratio={eviction_ratio}",
+                f"--default_kv_lease_ttl={lease_ttl_ms}",
+                "--logtostderr=true",
+                *([f"--client_ttl={client_ttl_s}"] if client_ttl_s is not None else []),
+                *extra_args,
+            ]
+            child = ChildProcess("mooncake_master", argv, env, log_path)
+            try:
+                child.wait_until(partial(is_listening, host, port), "listening", timeout_s)
+            except StoreUnavailable:
+                if rpc_port or attempt == attempts:
+                    raise
+                continue  # most likely a port taken between probing and binding
+            return cls(child, host, port, metrics_port)
+        raise AssertionError("unreachable")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self._child.log_path
+
+    def running(self) -> bool:
+        return self._child.running()
+
+    def kill(self) -> None:
+        """Crash it (SIGKILL), for fault tests."""
+        self._child.kill()
+
+    def stop(self) -> None:
+        self._child.stop()
+
+    def __enter__(self) -> MasterProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,378 @@
+"""A process-local store with Mooncake's semantics, for fast tests and fault injection.
+
+It copies with `ctypes.memmove` from and to raw addresses exactly as the Mooncake client
+does, so a wrong pointer or length shows up here too, and it answers every call with the
+status Mooncake gives in the same situation (measured against mooncake 0.3.13; the contract
+suite runs the same checks against both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
+from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch
+
+KeyMatch = Collection[str] | Callable[[str], bool]
+
+OPERATIONS = frozenset(
+    {
+        "batch_is_readable",
+        "batch_put_whole",
+        "batch_get_whole",
+        "put_session_start",
+        "put_ranges",
+        "put_session_end",
+        "put_session_revoke",
+        "get_session_start",
+        "get_ranges",
+        "batch_remove",
+    }
+)
+
+
+@dataclass
+class _Fault:
+    operation: str
+    match: KeyMatch
+    status: Status
+    calls_left: int
+
+    def matches(self, key: str) -> bool:
+        return self.match(key) if callable(self.match) else key in self.match
+
+
+class _Object:
+    """Bytes of one object plus what Mooncake tracks about it."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = ctypes.create_string_buffer(size)
+        self.size = size
+        self.address = ctypes.addressof(self.buffer)
+        self.lease_until = 0.0
+
+    def ranges_fit(self, sizes: Sizes, offsets: Offsets) -> bool:
+        return len(sizes) > 0 and all(
+            size >= 0 and offset >= 0 and offset + size <= self.size
+            for size, offset in zip(sizes, offsets, strict=True)
+        )
+
+
+def _offsets_of(sizes: Sizes) -> list[int]:
+    """Offsets of pieces laid end to end, as a whole put or get places them."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+class MemoryStore:
+    """In-memory `Store`; `capacity` bytes (None: unbounded) bounds committed + open objects.
+
+    `fail_next(...)` makes chosen keys of chosen operations report a chosen status, to
+    test how callers handle a full pool, a dead segment or a lost master.
+    """
+
+    def __init__(self, capacity: int | None = None, lease_ttl_s: float = 5.0) -> None:
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must not be negative, got {capacity}")
+        self._capacity = capacity
+        self._lease_ttl_s = lease_ttl_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._committed: dict[str, _Object] = {}
+        self._open_puts: dict[str, _Object] = {}
+        self._get_sessions: dict[str, _Object] = {}
+        self._faults: list[_Fault] = []
+        self._used = 0
+
+    # -- test hooks -------------------------------------------------------------------
+
+    def fail_next(self, operation: str, keys: KeyMatch, status: Status, calls: int = 1) -> None:
+        """Make the next `calls` calls of `operation` report `status` for matching keys.
+
+        The matching keys are left untouched (as when Mooncake fails before moving bytes);
+        other keys of the same call proceed normally.
+        """
+        if operation not in OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+        if status.ok:
+            raise ValueError("fail_next needs a failure status")
+        if calls < 1:
+            raise ValueError(f"calls must be at least 1, got {calls}")
+        with self._lock:
+            self._faults.append(_Fault(operation, keys, status, calls))
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by committed and open objects."""
+        with self._lock:
+            return self._used
+
+    def open_put_sessions(self) -> set[str]:
+        """Keys allocated but neither committed nor revoked: a leak check for tests."""
+        with self._lock:
+            return set(self._open_puts)
+
+    def open_get_sessions(self) -> set[str]:
+        """Keys pinned by `get_session_start` and not yet released."""
+        with self._lock:
+            return set(self._get_sessions)
+
+    # -- Store protocol ---------------------------------------------------------------
+
+    def register_buffer(self, ptr: int, size: int) -> None:
+        if ptr <= 0 or size <= 0:
+            raise InvalidRequestError(f"register_buffer needs a real region, got ({ptr}, {size})")
+        self._check_open()
+
+    def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            faults = self._injected("batch_is_readable", keys)
+            return [key not in faults and key in self._committed for key in keys]
+
+    def batch_put_whole(
+        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+    ) -> list[Status]:
+        check_batch("batch_put_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
+        with self._lock:
+            self._check_open()
+            faults = self._injected("batch_put_whole", keys)
+            results = []
+            for key, key_ptrs, key_sizes in zip(keys, ptrs, sizes, strict=True):
+                if key in faults:
+                    results.append(faults[key])
+                elif key in self._committed or key in self._open_puts:
+                    results.append(Status.OK)  # Mooncake keeps the old bytes and says OK
+                else:
+                    results.append(self._put_whole(key, key_ptrs, key_sizes))
+            return results
+
+    def batch_get_whole(
+        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+    ) -> list[Status]:
+        check_batch("batch_get_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
+        with self._lock:
+            self._check_open()
+            faults = self._injected("batch_get_whole", keys)
+            results = []
+            for key, key_ptrs, key_sizes in zip(keys, ptrs, sizes, strict=True):
+                status = faults.get(key) or self._readable(key)
+                if status.ok:
+                    obj = self._committed[key]
+                    if sum(key_sizes) != obj.size:
+                        status = Status.INVALID
+                    else:
+                        _copy_out(obj, key_ptrs, key_sizes, _offsets_of(key_sizes))
+                        obj.lease_until = time.monotonic() + self._lease_ttl_s
+                results.append(status)
+            return results
+
+    def put_session_start(self, keys: Sequence[str], object_sizes: Sequence[int]) -> list[Status]:
+        if len(object_sizes) != len(keys):
+            raise InvalidRequestError(
+                f"put_session_start: {len(keys)} keys but {len(object_sizes)} sizes"
+            )
+        with self._lock:
+            self._check_open()
+            faults = self._injected("put_session_start", keys)
+            results, started = [], set()
+            for key, size in zip(keys, object_sizes, strict=True):
+                if key in faults:
+                    results.append(faults[key])
+                elif key in self._committed or key in started:
+                    results.append(Status.EXISTS)  # a repeat within one call, too
+                elif key in self._open_puts or size <= 0:
+                    results.append(Status.INVALID)
+                elif not self._reserve(size):
+                    results.append(Status.NO_SPACE)
+                else:
+                    self._open_puts[key] = _Object(size)
+                    started.add(key)
+                    results.append(Status.OK)
+            return results
+
+    def put_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Offsets],
+    ) -> list[Status]:
+        check_batch(
+            "put_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
+            ("offset lists", offsets),
+        )  # fmt: skip
+        with self._lock:
+            self._check_open()
+            faults = self._injected("put_ranges", keys)
+            results = []
+            for key, key_ptrs, key_sizes, key_offsets in zip(
+                keys, ptrs, sizes, offsets, strict=True
+            ):
+                obj = self._open_puts.get(key)
+                if key in faults:
+                    results.append(faults[key])
+                elif obj is None or not obj.ranges_fit(key_sizes, key_offsets):
+                    results.append(Status.INVALID)
+                else:
+                    _copy_in(obj, key_ptrs, key_sizes, key_offsets)
+                    results.append(Status.OK)
+            return results
+
+    def put_session_end(self, keys: Sequence[str]) -> list[Status]:
+        with self._lock:
+            self._check_open()
+            faults = self._injected("put_session_end", keys)
+            results = []
+            for key in keys:
+                if key in faults:
+                    results.append(faults[key])
+                elif key not in self._open_puts:
+                    results.append(Status.INVALID)
+                else:
+                    self._committed[key] = self._open_puts.pop(key)
+                    results.append(Status.OK)
+            return results
+
+    def put_session_revoke(self, keys: Sequence[str]) -> list[Status]:
+        with self._lock:
+            self._check_open()
+            faults = self._injected("put_session_revoke", keys)
+            results = []
+            for key in keys:
+                if key in faults:
+                    results.append(faults[key])
+                elif key not in self._open_puts:
+                    results.append(Status.INVALID)
+                else:
+                    self._used -= self._open_puts.pop(key).size
+                    results.append(Status.OK)
+            return results
+
+    def get_session_start(self, keys: Sequence[str]) -> list[Status]:
+        with self._lock:
+            self._check_open()
+            faults = self._injected("get_session_start", keys)
+            results = []
+            for key in keys:
+                status = faults.get(key) or self._readable(key)
+                if status.ok:
+                    obj = self._committed[key]
+                    obj.lease_until = time.monotonic() + self._lease_ttl_s
+                    self._get_sessions[key] = obj
+                results.append(status)
+            return results
+
+    def get_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Offsets],
+    ) -> list[Status]:
+        check_batch(
+            "get_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
+            ("offset lists", offsets),
+        )  # fmt: skip
+        with self._lock:
+            self._check_open()
+            faults = self._injected("get_ranges", keys)
+            results = []
+            for key, key_ptrs, key_sizes, key_offsets in zip(
+                keys, ptrs, sizes, offsets, strict=True
+            ):
+                obj = self._get_sessions.get(key)
+                if key in faults:
+                    results.append(faults[key])
+                elif obj is None or not obj.ranges_fit(key_sizes, key_offsets):
+                    results.append(Status.INVALID)
+                else:
+                    _copy_out(obj, key_ptrs, key_sizes, key_offsets)
+                    results.append(Status.OK)
+            return results
+
+    def get_session_end(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                self._get_sessions.pop(key, None)
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
+        with self._lock:
+            self._check_open()
+            faults = self._injected("batch_remove", keys)
+            now = time.monotonic()
+            results = []
+            for key in keys:
+                status = faults.get(key) or self._readable(key)
+                if status.ok and not force and self._committed[key].lease_until > now:
+                    status = Status.LEASED
+                if status.ok:
+                    self._used -= self._committed.pop(key).size
+                results.append(status)
+            return results
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._committed.clear()
+            self._open_puts.clear()
+            self._get_sessions.clear()
+            self._used = 0
+
+    # -- internals (called with the lock held) ----------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("MemoryStore is closed")
+
+    def _injected(self, operation: str, keys: Sequence[str]) -> dict[str, Status]:
+        """Statuses forced by `fail_next` for this call, consuming one call of each fault."""
+        forced: dict[str, Status] = {}
+        for fault in [fault for fault in self._faults if fault.operation == operation]:
+            hit = {key: fault.status for key in keys if key not in forced and fault.matches(key)}
+            if hit:
+                forced.update(hit)
+                fault.calls_left -= 1
+                if fault.calls_left == 0:
+                    self._faults.remove(fault)
+        return forced
+
+    def _readable(self, key: str) -> Status:
+        if key in self._committed:
+            return Status.OK
+        return Status.NOT_READY if key in self._open_puts else Status.NOT_FOUND
+
+    def _reserve(self, size: int) -> bool:
+        if self._capacity is not None and self._used + size > self._capacity:
+            return False
+        self._used += size
+        return True
+
+    def _put_whole(self, key: str, ptrs: Pointers, sizes: Sizes) -> Status:
+        total = sum(sizes)
+        if total <= 0 or any(size < 0 for size in sizes):
+            return Status.INVALID
+        if not self._reserve(total):
+            return Status.NO_SPACE
+        obj = _Object(total)
+        _copy_in(obj, ptrs, sizes, _offsets_of(sizes))
+        self._committed[key] = obj
+        return Status.OK
+
+
+def _copy_in(obj: _Object, ptrs: Pointers, sizes: Sizes, offsets: Offsets) -> None:
+    for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
+        ctypes.memmove(obj.address + offset, ptr, size)
+
+
+def _copy_out(obj: _Object, ptrs: Pointers, sizes: Sizes, offsets: Offsets) -> None:
+    for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
+        ctypes.memmove(ptr, obj.address + offset, size)

@@ -1,0 +1,305 @@
+"""`Store` over the real Mooncake client (`mooncake.store.MooncakeDistributedStore`).
+
+What this wrapper adds to the raw client:
+- a call after `close()` raises `StoreClosed` instead of crashing the process, and `close()`
+  waits for calls in flight (several threads share one store);
+- setup fails within seconds, as `StoreUnavailable`, when the master is down (the client
+  alone retries for about 90 s);
+- after a call reports the master unreachable, master calls answer RPC_FAILED at once until
+  the master's port accepts connections again (the client alone spends ~4 s in each call
+  while it reconnects);
+- integer codes become `Status` members.
+Mooncake is imported in `connect`, so importing hybridkv.transport never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from importlib import metadata
+from typing import Any
+
+from hybridkv.transport.config import MooncakeConfig
+from hybridkv.transport.errors import (
+    InvalidRequestError,
+    Status,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+    UnsupportedClient,
+)
+from hybridkv.transport.master import is_listening, split_address
+from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch
+
+# The range/session API (Mooncake PR #2881) plus the whole-object calls hybridkv uses.
+REQUIRED_METHODS = (
+    "setup",
+    "close",
+    "register_buffer",
+    "batch_is_exist",
+    "batch_put_from_multi_buffers",
+    "batch_get_into_multi_buffers",
+    "batch_put_session_start",
+    "batch_put_from_multi_buffer_ranges",
+    "batch_put_session_end",
+    "batch_put_session_revoke",
+    "batch_get_session_start",
+    "batch_get_into_multi_buffer_ranges",
+    "batch_get_session_end",
+    "batch_remove",
+)
+
+MASTER_PROBE_TIMEOUT_S = 2.0
+MASTER_RECHECK_INTERVAL_S = 0.5
+
+
+def _mooncake_version() -> str:
+    for distribution in (
+        "mooncake-transfer-engine-non-cuda",
+        "mooncake-transfer-engine",
+        "mooncake-transfer-engine-npu",
+    ):
+        try:
+            return f"{distribution} {metadata.version(distribution)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown mooncake version"
+
+
+def load_client_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise UnsupportedClient(
+            f"cannot import mooncake.store ({exc}); install hybridkv-transport[mooncake] "
+            "(and libibverbs1, which the wheel links even without RDMA)"
+        ) from exc
+    missing = [name for name in REQUIRED_METHODS if not hasattr(MooncakeDistributedStore, name)]
+    if missing:
+        raise UnsupportedClient(
+            f"{_mooncake_version()} lacks {', '.join(missing)}; hybridkv needs the "
+            "range/session API (mooncake-transfer-engine >= 0.3.13)"
+        )
+    return MooncakeDistributedStore
+
+
+def _prepare_environment(config: MooncakeConfig) -> None:
+    """Defaults the client reads from the environment, unless the user chose otherwise."""
+    # One setup attempt: a dead master then fails in seconds, not after 20 x 4.4 s.
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    # Without it the transfer engine advertises the first NIC's address, not the host asked
+    # for, and loopback-only pools break.
+    if config.local_hostname.replace(".", "").isdigit():
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+
+
+class MooncakeStore:
+    """A connected Mooncake client; build it with `MooncakeStore.connect(config)`."""
+
+    def __init__(self, client: Any, config: MooncakeConfig) -> None:
+        self._client = client
+        self.config = config
+        self._master = split_address(config.master_server_address)
+        self._state = threading.Condition()
+        self._closed = False
+        self._in_flight = 0
+        self._master_down_since: float | None = None
+        self._master_checked_at = 0.0
+
+    @classmethod
+    def connect(cls, config: MooncakeConfig) -> MooncakeStore:
+        """Join the pool; `StoreUnavailable` in seconds when the master cannot be reached."""
+        host, port = split_address(config.master_server_address)
+        if not is_listening(host, port, MASTER_PROBE_TIMEOUT_S):
+            raise StoreUnavailable(
+                f"Mooncake master {config.master_server_address} does not accept connections"
+            )
+        client_class = load_client_class()
+        _prepare_environment(config)
+        client = client_class()
+        started = time.monotonic()
+        code = client.setup(
+            config.local_hostname,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            config.master_server_address,
+            None,
+            config.enable_ssd_offload,
+            config.ssd_offload_path,
+            config.tenant_id,
+            config.enable_client_http_server,
+            config.client_http_port,
+        )
+        if code != 0:
+            raise StoreUnavailable(
+                f"Mooncake client setup against {config.master_server_address} failed with "
+                f"{Status.from_code(code).name} ({code}) after "
+                f"{time.monotonic() - started:.1f} s (segment {config.global_segment_size} B, "
+                f"buffer {config.local_buffer_size} B, protocol {config.protocol})"
+            )
+        return cls(client, config)
+
+    # -- Store protocol ---------------------------------------------------------------
+
+    def register_buffer(self, ptr: int, size: int) -> None:
+        with self._call() as client:
+            code = client.register_buffer(ptr, size)
+        if code != 0:
+            raise StoreError(f"register_buffer({ptr:#x}, {size}) failed with code {code}")
+
+    def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
+        codes = self._master_call(keys, lambda client: client.batch_is_exist(list(keys)), failed=-1)
+        return [code == 1 for code in codes]
+
+    def batch_put_whole(
+        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+    ) -> list[Status]:
+        check_batch("batch_put_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
+        return self._statuses(
+            keys,
+            lambda client: client.batch_put_from_multi_buffers(
+                list(keys), _lists(ptrs), _lists(sizes)
+            ),
+        )
+
+    def batch_get_whole(
+        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+    ) -> list[Status]:
+        check_batch("batch_get_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
+        return self._statuses(
+            keys,
+            lambda client: client.batch_get_into_multi_buffers(
+                list(keys), _lists(ptrs), _lists(sizes)
+            ),
+        )
+
+    def put_session_start(self, keys: Sequence[str], object_sizes: Sequence[int]) -> list[Status]:
+        if len(object_sizes) != len(keys):
+            raise InvalidRequestError(
+                f"put_session_start: {len(keys)} keys but {len(object_sizes)} sizes"
+            )
+        return self._statuses(
+            keys, lambda client: client.batch_put_session_start(list(keys), list(object_sizes))
+        )
+
+    def put_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Offsets],
+    ) -> list[Status]:
+        check_batch(
+            "put_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
+            ("offset lists", offsets),
+        )  # fmt: skip
+        with self._call() as client:  # segment traffic only: no master round trip
+            codes = client.batch_put_from_multi_buffer_ranges(
+                list(keys), _lists(ptrs), _lists(sizes), _lists(offsets)
+            )
+        return [Status.from_code(code) for code in codes]
+
+    def put_session_end(self, keys: Sequence[str]) -> list[Status]:
+        return self._statuses(keys, lambda client: client.batch_put_session_end(list(keys)))
+
+    def put_session_revoke(self, keys: Sequence[str]) -> list[Status]:
+        return self._statuses(keys, lambda client: client.batch_put_session_revoke(list(keys)))
+
+    def get_session_start(self, keys: Sequence[str]) -> list[Status]:
+        return self._statuses(keys, lambda client: client.batch_get_session_start(list(keys)))
+
+    def get_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Offsets],
+    ) -> list[Status]:
+        check_batch(
+            "get_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
+            ("offset lists", offsets),
+        )  # fmt: skip
+        with self._call() as client:  # replicas were cached by get_session_start
+            codes = client.batch_get_into_multi_buffer_ranges(
+                list(keys), _lists(ptrs), _lists(sizes), _lists(offsets)
+            )
+        return [Status.from_code(code) for code in codes]
+
+    def get_session_end(self, keys: Sequence[str]) -> None:
+        with self._call() as client:
+            client.batch_get_session_end(list(keys))
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
+        return self._statuses(keys, lambda client: client.batch_remove(list(keys), force))
+
+    def close(self) -> None:
+        """Wait for calls in flight, then release the client; idempotent."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:
+                self._state.wait()
+        self._client.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- internals --------------------------------------------------------------------
+
+    @contextmanager
+    def _call(self) -> Iterator[Any]:
+        """Admit one client call unless closed; `close` waits until all have left."""
+        with self._state:
+            if self._closed:
+                raise StoreClosed("MooncakeStore is closed")
+            self._in_flight += 1
+        try:
+            yield self._client
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._state.notify_all()
+
+    def _statuses(self, keys: Sequence[str], call: Callable[[Any], list[int]]) -> list[Status]:
+        codes = self._master_call(keys, call, failed=Status.RPC_FAILED.value)
+        return [Status.from_code(code) for code in codes]
+
+    def _master_call(
+        self, keys: Sequence[str], call: Callable[[Any], list[int]], failed: int
+    ) -> list[int]:
+        """Run a call that needs the master, answering `failed` at once while it is down."""
+        with self._call() as client:
+            if not keys:
+                return []
+            if self._master_known_down():
+                return [failed] * len(keys)
+            codes = call(client)
+        if Status.RPC_FAILED.value in codes:
+            self._master_down_since = time.monotonic()
+        return codes
+
+    def _master_known_down(self) -> bool:
+        """True while the master is unreachable, re-probing its port at most twice a second."""
+        if self._master_down_since is None:
+            return False
+        now = time.monotonic()
+        if now - self._master_checked_at < MASTER_RECHECK_INTERVAL_S:
+            return True
+        self._master_checked_at = now
+        if is_listening(*self._master, timeout_s=MASTER_PROBE_TIMEOUT_S):
+            self._master_down_since = None
+            return False
+        return True
+
+
+def _lists(columns: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [list(column) for column in columns]

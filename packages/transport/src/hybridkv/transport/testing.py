@@ -1,0 +1,152 @@
+"""Pytest fixtures for a real Mooncake pool, shared by every hybridkv test suite.
+
+Load with `pytest_plugins = ["hybridkv.transport.testing"]` in a conftest. Fixtures:
+- `mooncake_master`: a real master on free loopback ports for the whole session;
+- `segment_holder`: a holder lending 64 MiB to that master for the whole session;
+- `start_mooncake_master`, `start_segment_holder`: factories for tests that kill or fill
+  their own (everything started is stopped at the end of the test);
+- `mooncake_store`: a client of the session master, closed after the test;
+- `shared_mooncake_store`: one client for the whole session;
+- `store`, `closable_store`: parametrized over "memory" and "mooncake", for contract tests.
+Under `HYBRIDKV_REQUIRE_REAL=1` a missing Mooncake fails these tests instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import pytest
+from hybridkv.transport.config import MooncakeConfig
+from hybridkv.transport.errors import StoreError
+from hybridkv.transport.holder import SegmentHolder
+from hybridkv.transport.master import LOOPBACK, MasterProcess
+from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.mooncake_store import MooncakeStore, load_client_class
+from hybridkv.transport.store import Store
+
+REQUIRE_REAL_ENV = "HYBRIDKV_REQUIRE_REAL"
+HOLDER_SIZE = 64 << 20
+CLIENT_SEGMENT_SIZE = 64 << 20
+CLIENT_BUFFER_SIZE = 16 << 20
+
+StartMaster = Callable[..., MasterProcess]
+StartHolder = Callable[..., SegmentHolder]
+
+
+def real_required() -> bool:
+    return os.environ.get(REQUIRE_REAL_ENV, "") not in ("", "0")
+
+
+def require_real(reason: str) -> NoReturn:
+    """Skip a test that needs a real component, or fail it when CI demands real parts."""
+    if real_required():
+        pytest.fail(f"{REQUIRE_REAL_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_mooncake() -> None:
+    """Return only if the real Mooncake client and master can be used here."""
+    try:
+        load_client_class()
+    except StoreError as exc:
+        require_real(str(exc))
+
+
+def mooncake_config(master_address: str, **overrides: Any) -> MooncakeConfig:
+    """Client settings for tests: loopback, TCP, small segment and buffer."""
+    values: dict[str, Any] = {
+        "master_server_address": master_address,
+        "global_segment_size": CLIENT_SEGMENT_SIZE,
+        "local_buffer_size": CLIENT_BUFFER_SIZE,
+        "local_hostname": LOOPBACK,
+    }
+    values.update(overrides)
+    return MooncakeConfig(**values)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MasterProcess]:
+    require_mooncake()
+    with MasterProcess.start() as master:
+        yield master
+
+
+@pytest.fixture(scope="session")
+def segment_holder(mooncake_master: MasterProcess) -> Iterator[SegmentHolder]:
+    with SegmentHolder.start(mooncake_master.address, HOLDER_SIZE) as holder:
+        yield holder
+
+
+@pytest.fixture
+def start_mooncake_master() -> Iterator[StartMaster]:
+    require_mooncake()
+    started: list[MasterProcess] = []
+
+    def start(**options: Any) -> MasterProcess:
+        master = MasterProcess.start(**options)
+        started.append(master)
+        return master
+
+    yield start
+    for master in started:
+        master.stop()
+
+
+@pytest.fixture
+def start_segment_holder() -> Iterator[StartHolder]:
+    require_mooncake()
+    started: list[SegmentHolder] = []
+
+    def start(master_address: str, size: int | str = HOLDER_SIZE, **options: Any) -> SegmentHolder:
+        holder = SegmentHolder.start(master_address, size, **options)
+        started.append(holder)
+        return holder
+
+    yield start
+    for holder in started:
+        holder.stop()
+
+
+@pytest.fixture
+def mooncake_store(mooncake_master: MasterProcess) -> Iterator[MooncakeStore]:
+    """A client of its own, closed after the test (closing one takes Mooncake ~2 s)."""
+    store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="session")
+def shared_mooncake_store(mooncake_master: MasterProcess) -> Iterator[MooncakeStore]:
+    """One client for the whole session, for tests that neither close it nor kill its pool."""
+    store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
+    yield store
+    store.close()
+
+
+@pytest.fixture(params=["memory", "mooncake"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each backend in turn (the Mooncake one shared: do not close it; see `closable_store`)."""
+    if request.param == "memory":
+        memory = MemoryStore()
+        yield memory
+        memory.close()
+    else:
+        yield request.getfixturevalue("shared_mooncake_store")
+
+
+@pytest.fixture(params=["memory", "mooncake"])
+def closable_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each backend in turn, a store of the test's own that it may close."""
+    if request.param == "memory":
+        memory = MemoryStore()
+        yield memory
+        memory.close()
+    else:
+        yield request.getfixturevalue("mooncake_store")
