@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from hybridkv.keys import BlockKey, HybridKey
 from hypothesis import strategies as st
+
+from hybridkv.keys import BlockKey, HybridKey
 
 MAX_FIELD = 2**63 - 1
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+
 from hybridkv.keys.__main__ import main
 
 HYBRID = "Qwen3-Next@mooncake_hybrid_v1:ab12@pp_rank:1@group:2@block:64@0aff@3"

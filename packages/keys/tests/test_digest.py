@@ -4,9 +4,10 @@ import hashlib
 import json
 
 import pytest
-from hybridkv.keys import HybridKey, layout_digest
 from hypothesis import given
 from hypothesis import strategies as st
+
+from hybridkv.keys import HybridKey, layout_digest
 
 SIGNATURE_A = {"kind": "full", "page_bytes": 65536, "dtype": "bfloat16"}
 SIGNATURE_B = {"kind": "mamba", "page_bytes": [4096, 1024]}

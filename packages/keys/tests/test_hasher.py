@@ -9,9 +9,10 @@ import sys
 from collections.abc import Sequence
 
 import pytest
-from hybridkv.keys import BlockHasher
 from hypothesis import given
 from hypothesis import strategies as st
+
+from hybridkv.keys import BlockHasher
 
 TOKENS = st.integers(0, 2**32 - 1)
 EXTRAS = st.none() | st.text(max_size=8) | st.lists(st.integers() | st.text(max_size=4))

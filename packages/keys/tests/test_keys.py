@@ -6,10 +6,11 @@ from typing import Any
 
 import msgspec
 import pytest
-from hybridkv.keys import BlockKey, HybridKey, KeyFormatError, model_name, parse_key
 from hypothesis import given
 from hypothesis import strategies as st
 from keys_strategies import block_keys, hybrid_keys, keys
+
+from hybridkv.keys import BlockKey, HybridKey, KeyFormatError, model_name, parse_key
 
 LAYOUT = "3f9a" * 16
 HYBRID = f"Qwen3-Next@mooncake_hybrid_v1:{LAYOUT}@group:1@block:64@0aff@3"

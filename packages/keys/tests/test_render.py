@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.keys import BlockKey, HybridKey, KeyFormatError, KeyRenderer, parse_key
 from hypothesis import given
 from hypothesis import strategies as st
 from keys_strategies import block_sizes, counters, layouts, models
+
+from hybridkv.keys import BlockKey, HybridKey, KeyFormatError, KeyRenderer, parse_key
 
 HASHES = st.lists(st.binary(min_size=1, max_size=32), max_size=6)
 HEADS = st.lists(counters, max_size=4)
