@@ -1,0 +1,160 @@
+"""Layerwise transfer on upstream vLLM: its connector calls mapped onto the window.
+
+vLLM 0.32 brackets every attention kernel with the connector: `wait_for_layer_load` after
+the layer's cache update (for backends with `forward_includes_kv_cache_update = False`,
+and always for MLA) and `save_kv_layer` after the kernel, before the output projection.
+Those two calls are the window's entry and checkpoint. Backends that write the cache
+inside the kernel get no window: their put goes out from `save_kv_layer`, after the
+kernel. Mamba-type layers (Mamba, GDN, Kimi KDA, LFM2 short conv: every `MambaBase`)
+never call the connector; a forward hook on each module is their post-compute save.
+
+vLLM may call `start_load_kv` after the forward (steps without synchronous loads), so the
+step must begin when the worker binds the step's connector metadata, not there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.integration.window import LayerwiseStrategy
+from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
+
+
+@dataclass(frozen=True)
+class VllmLayerPlan:
+    """How each cache-holding layer of a vLLM model reports to the strategy.
+
+    `windows`: attention layers whose cache is written before `wait_for_layer_load`;
+    `after_kernel`: attention layers whose kernel writes the cache (put at `save_kv_layer`);
+    `state`: Mamba-type layers saved from a forward hook. Other cache names (indexer
+    caches, compressor state written before the attention op) ride with their layer.
+    """
+
+    windows: frozenset[str]
+    after_kernel: frozenset[str]
+    state: frozenset[str]
+
+    @property
+    def reporters(self) -> frozenset[str]:
+        return self.windows | self.after_kernel | self.state
+
+
+def plan_vllm_layers(
+    static_forward_context: Mapping[str, Any], names: set[str], connector_windows: bool = True
+) -> VllmLayerPlan:
+    """Classify the cache-holding layer `names` by how vLLM lets the connector in.
+
+    `connector_windows=False` (vLLM-Ascend, whose attention paths call the connector
+    before their cache writes) turns every window into an after-kernel save; the
+    Ascend installer then opens the real windows around the attention ops.
+    """
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    windows: set[str] = set()
+    after_kernel: set[str] = set()
+    state: set[str] = set()
+    for name in names:
+        module = static_forward_context.get(name)
+        if isinstance(module, MambaBase):
+            state.add(name)
+        elif isinstance(module, MLAAttention):
+            # MLA always updates its cache before the attention op
+            (windows if connector_windows else after_kernel).add(name)
+        elif isinstance(module, Attention):
+            writes_in_kernel = module.attn_backend.forward_includes_kv_cache_update
+            (windows if connector_windows and not writes_in_kernel else after_kernel).add(name)
+        elif hasattr(module, "impl") and not connector_windows:
+            after_kernel.add(name)  # an attention layer class of vLLM-Ascend's own
+    return VllmLayerPlan(frozenset(windows), frozenset(after_kernel), frozenset(state))
+
+
+class VllmLayerwise:
+    """The worker-facing half: one method per vLLM connector hook, plus module hooks."""
+
+    def __init__(self, strategy: LayerwiseStrategy, plan: VllmLayerPlan) -> None:
+        self.strategy = strategy
+        self._plan = plan
+        self._open_windows: set[str] = set()
+        self._hook_handles: list[Any] = []
+
+    def install_state_hooks(self, static_forward_context: Mapping[str, Any]) -> None:
+        """Post-compute save for Mamba-type layers, which never call the connector."""
+        for name in sorted(self._plan.state):
+            module = static_forward_context[name]
+            self._hook_handles.append(module.register_forward_hook(self._state_hook(name)))
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if layer_name in self._plan.windows:
+            self.strategy.enter(layer_name)
+            self._open_windows.add(layer_name)
+        elif layer_name in self._plan.after_kernel:
+            self.strategy.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if layer_name in self._open_windows:
+            self._open_windows.discard(layer_name)
+            self.strategy.checkpoint()
+        elif layer_name in self._plan.after_kernel and not self.strategy.has_reported(layer_name):
+            self.strategy.post_compute_save(layer_name)  # no window ran for it this step
+
+    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+        self._open_windows.clear()
+        self.strategy.begin_step(loads, saves)
+
+    def wait_for_save(self) -> TransferResult | None:
+        self._open_windows.clear()
+        return self.strategy.wait_for_save()
+
+    def shutdown(self) -> None:
+        self._open_windows.clear()
+        self.strategy.abort()
+        self.remove_hooks()
+
+    def _state_hook(self, name: str) -> Callable[..., None]:
+        import torch
+
+        strategy = self.strategy
+
+        def after_forward(_module: Any, _args: Any, _output: Any) -> None:
+            # Under torch.compile this traces to nothing; `wait_for_save` (or the next
+            # reporting layer) then submits the layer, still in order and after its kernel.
+            if torch.compiler.is_compiling() or not strategy.active:
+                return
+            strategy.post_compute_save(name)
+
+        return after_forward
+
+
+def build_vllm_layerwise(
+    engine: TransferEngine,
+    static_forward_context: Mapping[str, Any],
+    device: str,
+    connector_windows: bool = True,
+) -> VllmLayerwise:
+    """Everything the worker needs, from its engine and the model's layer modules.
+
+    Physical layers come from the engine's layouts (the same numbering as the objects'
+    byte offsets); Mamba-type modules get their post-compute hook here.
+    """
+    layer_of = {
+        entry.name: entry.layer for layout in engine.layouts.values() for entry in layout.entries
+    }
+    plan = plan_vllm_layers(static_forward_context, set(layer_of), connector_windows)
+    strategy = LayerwiseStrategy(
+        engine,
+        layers=sorted(set(layer_of.values())),
+        reporters={name: layer_of[name] for name in plan.reporters},
+        new_event=lambda: make_event(device),
+    )
+    layerwise = VllmLayerwise(strategy, plan)
+    layerwise.install_state_hooks(static_forward_context)
+    return layerwise
