@@ -7,10 +7,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
-from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
-from hybridkv.transport.store import Store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
+from hybridkv.transport.store import Store
 
 OK = Status.OK
 

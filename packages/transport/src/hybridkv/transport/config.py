@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+MIN_SEGMENT_SIZE = 16 << 20  # smaller segments make Mooncake's setup fail with -600
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
@@ -73,6 +75,11 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("global_segment_size", "local_buffer_size"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must not be negative, got {getattr(self, field)}")
+        if 0 < self.global_segment_size < MIN_SEGMENT_SIZE:
+            raise ValueError(
+                f"global_segment_size must be 0 (lend nothing) or at least 16 MiB "
+                f"(Mooncake's minimum), got {self.global_segment_size}"
+            )
         if self.local_buffer_size == 0:
             raise ValueError("local_buffer_size must be positive: the client stages through it")
         if self.enable_ssd_offload and not self.ssd_offload_path:
@@ -93,6 +100,8 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
         if "master_server_address" not in values:
             raise ValueError("Mooncake config needs master_server_address ('host:port')")
         fields = dict(values)
+        if fields.get("device_name") is None:
+            fields.pop("device_name", None)  # Mooncake writes null for "no RDMA device"
         for field in ("global_segment_size", "local_buffer_size"):
             if field in fields:
                 fields[field] = parse_size(fields[field], field)

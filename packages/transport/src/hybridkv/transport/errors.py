@@ -44,6 +44,7 @@ _STATUS_OF_CODE: dict[int, Status] = {status.value: status for status in Status}
     -400: Status.INVALID,  # INVALID_KEY
     -700: Status.INVALID,  # INVALID_WRITE
     -701: Status.INVALID,  # INVALID_READ
+    -702: Status.INVALID,  # INVALID_REPLICA: e.g. a ranged call with no pieces
     -707: Status.TRANSFER_FAILED,  # LEASE_EXPIRED before the transfer completed
     -710: Status.NOT_FOUND,  # REPLICA_NOT_FOUND
     -711: Status.EXISTS,  # REPLICA_ALREADY_EXISTS

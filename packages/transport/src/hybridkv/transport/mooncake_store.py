@@ -111,7 +111,11 @@ class MooncakeStore:
 
     @classmethod
     def connect(cls, config: MooncakeConfig) -> MooncakeStore:
-        """Join the pool; `StoreUnavailable` in seconds when the master cannot be reached."""
+        """Join the pool; `StoreUnavailable` in seconds when the master cannot be reached.
+
+        (A port that accepts connections but is no master costs Mooncake's RPC timeout,
+        about 30 s: setup holds the GIL, so it cannot be abandoned earlier from Python.)
+        """
         host, port = split_address(config.master_server_address)
         if not is_listening(host, port, MASTER_PROBE_TIMEOUT_S):
             raise StoreUnavailable(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import pytest
+
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
 from hybridkv.transport.holder import SegmentHolder

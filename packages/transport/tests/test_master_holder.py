@@ -1,0 +1,152 @@
+"""MasterProcess and SegmentHolder: real processes that start, serve and stop cleanly,
+and a holder keeps what a finished writer stored."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridkv.transport.errors import Status, StoreUnavailable
+from hybridkv.transport.holder import SegmentHolder
+from hybridkv.transport.master import MasterProcess, free_port, is_listening
+from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
+
+# A writer process: stores one object whole and one through a ranged session, then exits.
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from hybridkv.transport.mooncake_store import MooncakeStore
+    from hybridkv.transport.testing import mooncake_config
+
+    master, segment, whole_key, ranged_key = sys.argv[1], int(sys.argv[2]), *sys.argv[3:5]
+    data = np.random.default_rng(42).integers(0, 256, 1 << 20, dtype=np.uint8)
+    store = MooncakeStore.connect(mooncake_config(master, global_segment_size=segment))
+    results = store.batch_put_whole([whole_key], [[data.ctypes.data]], [[data.nbytes]])
+    half = data.nbytes // 2
+    results += store.put_session_start([ranged_key], [data.nbytes])
+    results += store.put_ranges(
+        [ranged_key], [[data.ctypes.data + half, data.ctypes.data]], [[half, half]],
+        [[half, 0]],
+    )
+    results += store.put_session_end([ranged_key])
+    store.close()
+    print("wrote", [status.name for status in results])
+    """
+)
+EXPECTED = np.random.default_rng(42).integers(0, 256, 1 << 20, dtype=np.uint8)
+
+
+def run_writer(master_address: str, segment_size: int, keys: list[str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", WRITER, master_address, str(segment_size), *keys],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def read_back(store: MooncakeStore, key: str) -> tuple[Status, np.ndarray]:
+    out = np.zeros(EXPECTED.nbytes, dtype=np.uint8)
+    status = store.batch_get_whole([key], [[out.ctypes.data]], [[out.nbytes]])[0]
+    return status, out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_master_listens_on_loopback_and_stops_by_pid(start_mooncake_master: StartMaster) -> None:
+    master = start_mooncake_master()
+    host, port = master.address.split(":")
+    assert host == "127.0.0.1"
+    assert is_listening(host, int(port))
+    master.stop()
+    assert not pid_alive(master.pid) or not master.running()
+    assert not is_listening(host, int(port))
+    master.stop()  # idempotent
+
+
+def test_two_masters_get_different_ports(start_mooncake_master: StartMaster) -> None:
+    assert start_mooncake_master().address != start_mooncake_master().address
+
+
+def test_master_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:
+    busy = free_port()
+    fake = tmp_path / "mooncake_master"
+    fake.write_text("#!/bin/sh\necho 'cannot bind' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(StoreUnavailable, match=r"exited with 3 before listening(.|\n)*cannot bind"):
+        MasterProcess.start(binary=fake, rpc_port=busy, timeout_s=5)
+
+
+def test_master_that_never_listens_is_stopped_after_the_timeout(tmp_path: Path) -> None:
+    fake = tmp_path / "mooncake_master"
+    fake.write_text("#!/bin/sh\necho $$ > " + str(tmp_path / "pid") + "\nexec sleep 60\n")
+    fake.chmod(0o755)
+    with pytest.raises(StoreUnavailable, match="not listening after 1 s"):
+        MasterProcess.start(binary=fake, rpc_port=free_port(), timeout_s=1)
+    assert not pid_alive(int((tmp_path / "pid").read_text()))
+
+
+def test_holder_starts_ready_and_stops_cleanly(
+    mooncake_master: MasterProcess, start_segment_holder: StartHolder
+) -> None:
+    holder = start_segment_holder(mooncake_master.address, "16MB")
+    assert holder.running()
+    assert holder.size == 16 << 20
+    holder.stop()
+    assert not holder.running()
+
+
+def test_holder_without_a_master_fails_with_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "holder.log"
+    with pytest.raises(StoreUnavailable, match="does not accept connections"):
+        SegmentHolder.start(f"127.0.0.1:{free_port()}", "16MB", log_path=log, timeout_s=30)
+
+
+def test_a_second_process_reads_what_a_finished_writer_stored(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder
+) -> None:
+    """The writer lends no memory, so its objects land in the holder and outlive it."""
+    master = start_mooncake_master()
+    start_segment_holder(master.address, "32MB")
+    keys = ["persist-whole", "persist-ranged"]
+    assert "wrote ['OK', 'OK', 'OK', 'OK']" in run_writer(master.address, 0, keys)
+
+    reader = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
+    try:
+        assert reader.batch_is_readable(keys) == [True, True]
+        for key in keys:
+            status, out = read_back(reader, key)
+            assert status is Status.OK
+            assert np.array_equal(out, EXPECTED)
+    finally:
+        reader.close()
+
+
+def test_without_a_holder_objects_die_with_their_writer(
+    start_mooncake_master: StartMaster,
+) -> None:
+    """Negative control: a writer that lends its own segment takes its objects with it."""
+    master = start_mooncake_master()
+    keys = ["mortal-whole", "mortal-ranged"]
+    assert "wrote ['OK', 'OK', 'OK', 'OK']" in run_writer(master.address, 16 << 20, keys)
+    reader = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
+    try:
+        status, out = read_back(reader, keys[0])
+        assert status in (Status.NOT_FOUND, Status.TRANSFER_FAILED)
+        assert not np.array_equal(out, EXPECTED)
+    finally:
+        reader.close()

@@ -1,0 +1,112 @@
+"""MooncakeStore's guards around the real client: setup, missing API, use after close."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hybridkv.transport.errors import StoreClosed, StoreUnavailable, UnsupportedClient
+from hybridkv.transport.master import MasterProcess, free_port
+from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.testing import mooncake_config, require_mooncake
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A port that accepts connections but never speaks Mooncake's protocol."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        yield server.getsockname()[1]
+
+
+def test_importing_the_package_does_not_import_mooncake() -> None:
+    code = (
+        "import sys, hybridkv.transport, hybridkv.transport.mooncake_store, "
+        "hybridkv.transport.master, hybridkv.transport.holder, hybridkv.transport.memory_store; "
+        "print(sorted(m for m in sys.modules if m.startswith('mooncake')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_connect_with_the_master_down_fails_fast() -> None:
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="does not accept connections"):
+        MooncakeStore.connect(mooncake_config(f"127.0.0.1:{free_port()}"))
+    print(f"setup with master down refused after {time.monotonic() - started:.3f} s")
+
+
+def test_connect_to_something_that_is_not_a_master_fails_in_bounded_time(
+    silent_listener: int,
+) -> None:
+    require_mooncake()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"setup .* failed"):
+        MooncakeStore.connect(mooncake_config(f"127.0.0.1:{silent_listener}"))
+    elapsed = time.monotonic() - started
+    print(f"setup against a silent port failed after {elapsed:.1f} s")
+    assert elapsed < 60  # with the client's default 20 setup retries this takes minutes
+
+
+def test_a_client_without_the_range_api_is_refused(
+    monkeypatch: pytest.MonkeyPatch, silent_listener: int
+) -> None:
+    require_mooncake()
+    import mooncake.store
+
+    class OldClient:
+        def setup(self) -> int:
+            raise AssertionError("must not be set up")
+
+        def batch_is_exist(self) -> None: ...
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", OldClient)
+    with pytest.raises(UnsupportedClient, match=r"lacks close, register_buffer, .*range/session"):
+        MooncakeStore.connect(mooncake_config(f"127.0.0.1:{silent_listener}"))
+
+
+def test_missing_mooncake_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, silent_listener: int
+) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(UnsupportedClient, match=r"install hybridkv-transport\[mooncake\]"):
+        MooncakeStore.connect(mooncake_config(f"127.0.0.1:{silent_listener}"))
+
+
+def test_close_while_other_threads_call_never_crashes(mooncake_master: MasterProcess) -> None:
+    """Calls racing close() either finish or raise StoreClosed; Mooncake never sees them."""
+    store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
+    data = np.ones(4096, dtype=np.uint8)
+    outcomes: list[str] = []
+    start = threading.Barrier(5)
+
+    def hammer(worker: int) -> None:
+        start.wait()
+        for i in range(10_000):
+            key = f"race-{worker}-{i}"
+            try:
+                store.batch_put_whole([key], [[data.ctypes.data]], [[4096]])
+                store.batch_is_readable([key])
+            except StoreClosed:
+                outcomes.append("closed")
+                return
+        outcomes.append("finished")
+
+    threads = [threading.Thread(target=hammer, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    time.sleep(0.2)
+    store.close()
+    for thread in threads:
+        thread.join(60)
+    assert outcomes == ["closed"] * 4
+    assert store.closed

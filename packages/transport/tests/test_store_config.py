@@ -1,0 +1,113 @@
+"""MooncakeConfig: Mooncake's own JSON files load; bad values are named, never guessed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.transport.config import MooncakeConfig, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MB", 512 << 20),
+        ("512MiB", 512 << 20),
+        ("3.125 GB", int(3.125 * (1 << 30))),
+        ("1gb", 1 << 30),
+        ("16m", 16 << 20),
+        ("4096", 4096),
+        ("100b", 100),
+        ("2T", 2 << 40),
+    ],
+)
+def test_sizes_read_like_mooncake(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@given(st.integers(0, 1 << 50))
+def test_int_sizes_are_taken_as_bytes(size: int) -> None:
+    assert parse_size(size) == size
+    assert parse_size(str(size)) == size
+
+
+@pytest.mark.parametrize("bad", ["", "MB", "12 parsecs", "-5MB", True, 1.5, -1])
+def test_unreadable_sizes_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_mooncake_example_config_file_loads(tmp_path: Path) -> None:
+    """The example from Mooncake's mooncake_config.py docstring, sizes as strings."""
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps(
+            {
+                "local_hostname": "localhost",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": "3GB",
+                "local_buffer_size": 1073741824,
+                "protocol": "tcp",
+                "device_name": None,
+                "master_server_address": "localhost:8081",
+                "enable_ssd_offload": False,
+                "ssd_offload_path": "",
+                "tenant_id": "default",
+                "enable_client_http_server": False,
+                "client_http_port": 9300,
+            }
+        )
+    )
+    config = MooncakeConfig.from_json_file(path)
+    assert config.global_segment_size == 3 << 30
+    assert config.local_buffer_size == 1 << 30
+    assert config.device_name == ""
+    assert config.master_server_address == "localhost:8081"
+
+
+def test_defaults_need_only_the_master() -> None:
+    config = MooncakeConfig.from_mapping({"master_server_address": "127.0.0.1:5"})
+    assert config.metadata_server == "P2PHANDSHAKE"
+    assert config.protocol == "tcp"
+    assert config.local_hostname == "127.0.0.1"
+
+
+def test_unknown_keys_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"master_server_address": "h:1", "mastr": 1, "zz_top": 2}))
+    with pytest.raises(ValueError, match=r"c\.json: unknown Mooncake config keys: mastr, zz_top"):
+        MooncakeConfig.from_json_file(path)
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({}, "needs master_server_address"),
+        ({"master_server_address": "nohost"}, "host:port"),
+        ({"master_server_address": "h:99999"}, "host:port"),
+        ({"master_server_address": "h:1", "global_segment_size": "1MB"}, "16 MiB"),
+        ({"master_server_address": "h:1", "local_buffer_size": 0}, "local_buffer_size"),
+        ({"master_server_address": "h:1", "protocol": "RDMA"}, "case-sensitively"),
+        ({"master_server_address": "h:1", "local_hostname": " "}, "local_hostname"),
+        ({"master_server_address": "h:1", "global_segment_size": "lots"}, "global_segment_size"),
+        ({"master_server_address": "h:1", "client_http_port": "80"}, "int"),
+        ({"master_server_address": "h:1", "enable_ssd_offload": True}, "ssd_offload_path"),
+    ],
+)
+def test_bad_values_are_named(values: dict[str, object], complaint: str) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        MooncakeConfig.from_mapping(values)
+
+
+def test_a_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        MooncakeConfig.from_json_file(path)
+    path.write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        MooncakeConfig.from_json_file(path)
