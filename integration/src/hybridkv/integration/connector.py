@@ -1,0 +1,246 @@
+"""HybridKVConnector: the vLLM KV connector, a thin shell delegating by role.
+
+The scheduler role decides hits and plans transfers (`scheduler.SchedulerSide`); the worker
+role moves bytes (`worker.WorkerSide`). Both derive the same plan (groups, keys, layout
+digest) from `kv_cache_config`, so they agree on every key without talking about it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from hybridkv.integration.config import ConnectorConfig, parse_extra_config
+from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
+from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.lookup import (
+    LOOPBACK,
+    LookupClient,
+    LookupServer,
+    publish_port,
+    published_address,
+    rendezvous_path,
+)
+from hybridkv.integration.metadata import HybridKVMetadata
+from hybridkv.integration.pool import Pool, open_pool
+from hybridkv.integration.scheduler import SchedulerSide
+from hybridkv.integration.stats import HybridKVStats
+from hybridkv.integration.worker import TransferStrategy, WholeBlocks, WorkerSide, build_layouts
+from hybridkv.keys import model_name
+from hybridkv.transport import PipelineOptions, TransferEngine, make_event
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def plan_from_vllm(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str
+) -> KVPlan:
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("HybridKVConnector does not support pipeline parallelism yet")
+    shape = ModelShape(
+        tp_size=parallel.tensor_parallel_size,
+        total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+    )
+    return plan_groups(
+        kv_cache_config.kv_cache_groups,
+        kv_cache_config.prefix_cacheable_group_ids,
+        shape,
+        namespace,
+    )
+
+
+def _instance_id(vllm_config: VllmConfig) -> str:
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None
+    return f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_rank}"
+
+
+class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Reuses KV that any instance stored in the Mooncake pool, for hybrid models too."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        if kv_cache_config is None:
+            raise ValueError("HybridKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
+        self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        self.keys = KeySpace(self.plan, model_name(vllm_config.model_config.model))
+        self._instance = _instance_id(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._client: LookupClient | None = None
+        self._worker: WorkerSide | None = None
+        self._server: LookupServer | None = None
+        self._pool: Pool | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
+            self._scheduler = SchedulerSide(self.keys, self.config, self._client.query)
+
+    def _lookup_address(self) -> str | None:
+        if self.config.lookup_rpc_port:
+            return f"tcp://{LOOPBACK}:{self.config.lookup_rpc_port}"
+        return published_address(rendezvous_path(self._instance))
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side call on the worker connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side call before register_kv_caches")
+        return self._worker
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves never outlive the step after the one that issued them (the worker waits
+        # for them before any block can be reused), so the blocks can be freed now.
+        self.scheduler_side.forget(request.request_id)
+        return False, None
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        tp_rank = get_tensor_model_parallel_rank()
+        layer_index = {name: extract_layer_index(name) for name in kv_caches}
+        layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
+        self._pool = open_pool(self.config, self._instance, tp_rank)
+        options = PipelineOptions(
+            prefetch_layers=self.config.layerwise_prefetch_layers,
+            max_transfer_blocks=self.config.layerwise_max_transfer_blocks,
+            max_transfer_bytes=self.config.layerwise_max_transfer_bytes,
+        )
+        engine = TransferEngine(self._pool.store, layouts, options)
+        device = self._vllm_config.device_config.device_type
+        self._worker = WorkerSide(
+            self.keys, engine, self._strategy(engine), tp_rank, lambda: make_event(device)
+        )
+        if tp_rank == 0:
+            self._server = LookupServer(engine.batch_is_readable, self.config.lookup_rpc_port)
+            if not self.config.lookup_rpc_port:
+                path = rendezvous_path(self._instance)
+                publish_port(path, self._server.port)
+                self._pool.files.append(path)
+
+    def _strategy(self, engine: TransferEngine) -> TransferStrategy:
+        if not self.config.use_layerwise:
+            return WholeBlocks(engine)
+        try:
+            from hybridkv.integration import layerwise
+        except ImportError as exc:
+            raise ValueError(
+                "use_layerwise=true needs hybridkv.integration.layerwise, which this "
+                "installation lacks"
+            ) from exc
+        strategy: TransferStrategy = layerwise.make_strategy(engine, self.keys, self.config)
+        return strategy
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # First hook of a step, before vLLM zeroes or reuses any block: settle saves.
+        self.worker_side.barrier()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, HybridKVMetadata)
+        self.worker_side.start_load(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_side.strategy.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        self.worker_side.strategy.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, HybridKVMetadata)
+        self.worker_side.save(metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.counters.take()
+        if self._scheduler is not None:
+            data = self._scheduler.take_stats()
+            return HybridKVStats(data=dict(data)) if any(data.values()) else None
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return HybridKVStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Stop threads, sessions, sockets and any embedded master; safe to call twice."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,236 @@
+"""vLLM's KV cache groups as hybridkv sees them: a coordinator kind, who stores, a digest.
+
+One small translator per vLLM spec class, found through a registry keyed by class (walking
+the MRO, so subclasses such as MLA specs inherit their parent's translation). A spec with no
+translator stops start-up: guessing how its blocks relate to a prefix could serve wrong KV.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.coordinator import (
+    ChunkedLocal,
+    Coordinator,
+    FullAttention,
+    GroupKind,
+    RecurrentState,
+    SlidingWindow,
+)
+from hybridkv.keys import layout_digest
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which TP ranks write a group's objects and which object each rank reads.
+
+    `storing` distinct objects exist per block. When fewer KV heads than TP ranks exist,
+    consecutive ranks hold the same heads: only the first of each run writes, all read.
+    """
+
+    storing: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        if self.storing < 1 or self.tp_size % self.storing:
+            raise ValueError(
+                f"{self.storing} storing heads do not divide tp_size {self.tp_size} evenly"
+            )
+
+    @property
+    def replicas(self) -> int:
+        return self.tp_size // self.storing
+
+    def head_of(self, tp_rank: int) -> int:
+        return tp_rank // self.replicas
+
+    def writes(self, tp_rank: int) -> bool:
+        return tp_rank % self.replicas == 0
+
+    @property
+    def heads(self) -> range:
+        return range(self.storing)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One prefix-cacheable vLLM group: its id in vLLM, coordinator kind, layers, signature."""
+
+    vllm_group_id: int
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    signature: dict[str, Any]
+    heads: HeadPlan
+
+    @property
+    def block_size(self) -> int:
+        return self.kind.block_size
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the translators need beyond the spec itself."""
+
+    tp_size: int
+    total_kv_heads: int
+
+
+_Translation = tuple[GroupKind, dict[str, Any], int]
+_Translator = Callable[[Any, ModelShape], _Translation]
+_TRANSLATORS: dict[type, _Translator] = {}
+
+
+def translator(*spec_types: type) -> Callable[[_Translator], _Translator]:
+    """Register the translation of a vLLM spec class (used at import of the vLLM specs)."""
+
+    def register(function: _Translator) -> _Translator:
+        for spec_type in spec_types:
+            _TRANSLATORS[spec_type] = function
+        return function
+
+    return register
+
+
+def _attention_signature(spec: Any) -> dict[str, Any]:
+    return {
+        "spec": type(spec).__name__,
+        "block_size": spec.block_size,
+        "page_bytes": spec.page_size_bytes,
+        "kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "dtype": str(spec.dtype),
+    }
+
+
+def _attention_storing(shape: ModelShape) -> int:
+    # Heads split over ranks; with fewer heads than ranks, each head is held by a run of
+    # ranks and stored once.
+    return math.gcd(min(shape.total_kv_heads, shape.tp_size), shape.tp_size)
+
+
+def translate(spec: Any, shape: ModelShape) -> _Translation:
+    """(kind, signature, storing heads) of one group's spec, or a ValueError naming it."""
+    for spec_type in type(spec).__mro__:
+        found = _TRANSLATORS.get(spec_type)
+        if found is not None:
+            return found(spec, shape)
+    raise ValueError(
+        f"hybridkv cannot store KV cache groups of type {type(spec).__name__}: "
+        f"supported are {sorted(t.__name__ for t in _TRANSLATORS)}"
+    )
+
+
+def _register_vllm_specs() -> None:
+    """Bind the translators to vLLM's spec classes (imported only when vLLM is present)."""
+    from vllm.v1 import kv_cache_interface as specs
+
+    @translator(specs.FullAttentionSpec)
+    def _full(spec: Any, shape: ModelShape) -> _Translation:
+        return FullAttention(spec.block_size), _attention_signature(spec), _attention_storing(shape)
+
+    @translator(specs.MLAAttentionSpec)
+    def _mla(spec: Any, shape: ModelShape) -> _Translation:
+        # The latent cache is replicated on every TP rank: one object per block.
+        return FullAttention(spec.block_size), _attention_signature(spec), 1
+
+    @translator(specs.SlidingWindowSpec)
+    def _sliding(spec: Any, shape: ModelShape) -> _Translation:
+        signature = {**_attention_signature(spec), "window": spec.sliding_window}
+        kind = SlidingWindow(spec.block_size, spec.sliding_window)
+        return kind, signature, _attention_storing(shape)
+
+    @translator(specs.ChunkedLocalAttentionSpec)
+    def _chunked(spec: Any, shape: ModelShape) -> _Translation:
+        signature = {**_attention_signature(spec), "chunk": spec.attention_chunk_size}
+        kind = ChunkedLocal(spec.block_size, spec.attention_chunk_size)
+        return kind, signature, _attention_storing(shape)
+
+    @translator(specs.MambaSpec)
+    def _mamba(spec: Any, shape: ModelShape) -> _Translation:
+        if spec.mamba_cache_mode != "align":
+            raise ValueError(
+                f"Mamba groups need mamba_cache_mode='align' (got {spec.mamba_cache_mode!r}): "
+                "only then does a block hold the state at its end boundary; enable prefix "
+                "caching or pass mamba_cache_mode='align'"
+            )
+        signature = {
+            "spec": type(spec).__name__,
+            "block_size": spec.block_size,
+            "page_bytes": spec.page_size_bytes,
+            "shapes": [list(s) for s in spec.shapes],
+            "dtypes": [str(d) for d in spec.dtypes],
+            "mamba_type": str(spec.mamba_type),
+        }
+        storing = 1 if spec.tp_replicated else shape.tp_size
+        return RecurrentState(spec.block_size), signature, storing
+
+    @translator(specs.CrossAttentionSpec, specs.EncoderOnlyAttentionSpec)
+    def _refuse(spec: Any, shape: ModelShape) -> _Translation:
+        raise ValueError(
+            f"hybridkv cannot store {type(spec).__name__} groups: their KV does not follow "
+            "the prompt prefix"
+        )
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Everything both connector roles derive from `kv_cache_config`, identically."""
+
+    groups: tuple[GroupPlan, ...]
+    tp_size: int
+    digest: str
+    hash_block_size: int
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    def coordinator(self) -> Coordinator:
+        return Coordinator([group.kind for group in self.groups])
+
+    @property
+    def alignment(self) -> int:
+        return math.lcm(*(group.block_size for group in self.groups))
+
+
+def plan_groups(
+    kv_cache_groups: Sequence[Any],
+    group_ids: Sequence[int],
+    shape: ModelShape,
+    namespace: str = "",
+) -> KVPlan:
+    """Translate the prefix-cacheable groups `group_ids` of a vLLM kv_cache_config."""
+    if not _TRANSLATORS:
+        _register_vllm_specs()
+    if not group_ids:
+        raise ValueError("the model has no prefix-cacheable KV cache group to store")
+    plans = []
+    for group_id in group_ids:
+        group = kv_cache_groups[group_id]
+        try:
+            kind, signature, storing = translate(group.kv_cache_spec, shape)
+        except ValueError as exc:
+            raise ValueError(f"KV cache group {group_id}: {exc}") from exc
+        plans.append(
+            GroupPlan(
+                vllm_group_id=group_id,
+                kind=kind,
+                layer_names=tuple(sorted(group.layer_names)),
+                signature=signature,
+                heads=HeadPlan(storing, shape.tp_size),
+            )
+        )
+    digest = layout_digest(
+        shape.tp_size,
+        [(plan.layer_names, plan.signature) for plan in plans],
+        namespace or None,
+    )
+    return KVPlan(
+        groups=tuple(plans),
+        tp_size=shape.tp_size,
+        digest=digest,
+        hash_block_size=math.gcd(*(plan.block_size for plan in plans)),
+    )

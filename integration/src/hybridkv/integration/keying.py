@@ -1,0 +1,79 @@
+"""Object keys of a request's blocks: hybridkv's own hashes, rendered per group and head.
+
+Hashes come from `hybridkv.keys.BlockHasher` (SHA-256 chains over token ids and extras), not
+from vLLM's block hashes, so two instances agree without sharing `PYTHONHASHSEED`. The
+hasher's namespace carries the layout digest, so incompatible layouts never share a hash
+even in the single-group key format, which has no layout field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hybridkv.integration.groups import KVPlan
+from hybridkv.keys import BlockHasher, KeyRenderer
+
+
+def request_extra(request: Any) -> object:
+    """What besides the tokens makes this request's KV differ (LoRA, salt, multimodal).
+
+    Request-level, so it is passed with every `extend` call and hashes do not depend on how
+    tokens arrived. Multimodal inputs are folded into every block: conservative (blocks
+    before an image lose reuse across different images) but never wrong.
+    """
+    extra: dict[str, object] = {}
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extra["lora"] = lora.lora_name
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extra["salt"] = salt
+    features = getattr(request, "mm_features", None) or []
+    if features:
+        extra["mm"] = [
+            [str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)]
+            for f in features
+        ]
+    return extra or None
+
+
+class RequestHashes:
+    """The growing list of block hashes of one request (at the plan's hash granularity)."""
+
+    __slots__ = ("_extra", "_hasher")
+
+    def __init__(self, plan: KVPlan, namespace: str, extra: object) -> None:
+        self._hasher = BlockHasher(plan.hash_block_size, f"{namespace}\0{plan.digest}")
+        self._extra = extra
+
+    def cover(self, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Hash the full blocks of the first `num_tokens` tokens (no-op if done already)."""
+        done = self._hasher.num_tokens
+        if num_tokens > done:
+            self._hasher.extend(token_ids[done:num_tokens], self._extra)
+
+    def for_group(self, block_size: int) -> list[bytes]:
+        """One hash per full block of a group with `block_size`-token blocks."""
+        return self._hasher.hashes_for(block_size)
+
+
+class KeySpace:
+    """Renders the keys of every group: BlockKey for one group, HybridKey for several."""
+
+    def __init__(self, plan: KVPlan, model: str) -> None:
+        self.plan = plan
+        if plan.hybrid:
+            self._renderers = [
+                KeyRenderer.hybrid(model, plan.digest, group.vllm_group_id, group.block_size)
+                for group in plan.groups
+            ]
+        else:
+            self._renderers = [KeyRenderer.single_group(model)]
+
+    def keys(self, group: int, hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
+        """Keys of `hashes` in plan group `group`, block-major, `heads` within a block."""
+        return self._renderers[group].render_all(hashes, heads)
+
+    def all_heads(self, group: int) -> range:
+        return self.plan.groups[group].heads.heads

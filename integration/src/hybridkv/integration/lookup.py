@@ -1,0 +1,175 @@
+"""The scheduler's one question to the pool, asked of worker rank 0 over ZMQ.
+
+The scheduler process holds no store client; worker rank 0 does. One REQ/REP round trip
+per lookup carries every key of that lookup (msgspec-encoded). The server answers every
+request, a malformed one with an error, and survives anything a request does; the client
+gives up after a timeout and reports "unknown", which the scheduler treats as a miss
+(recompute), never as a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+import zmq
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_POLL_MS = 100
+
+
+class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
+    keys: list[str]
+
+
+class LookupReply(msgspec.Struct, frozen=True):
+    readable: list[bool] | None = None
+    error: str | None = None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_request = msgspec.msgpack.Decoder(LookupRequest).decode
+_decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
+
+Readability = Callable[[Sequence[str]], list[bool]]
+
+
+def rendezvous_path(instance: str) -> Path:
+    """Where worker rank 0 publishes its lookup port for the scheduler of `instance`."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance)
+    return Path(tempfile.gettempdir()) / f"hybridkv-lookup-{safe}.port"
+
+
+class LookupServer:
+    """REP socket on loopback answering `LookupRequest`s from a readability function."""
+
+    def __init__(self, readable: Readability, port: int = 0) -> None:
+        self._readable = readable
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._socket.bind(f"tcp://{LOOPBACK}:{port}")
+            self.port = port
+        else:
+            self.port = self._socket.bind_to_random_port(f"tcp://{LOOPBACK}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hybridkv-lookup", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{LOOPBACK}:{self.port}"
+
+    def _answer(self, payload: bytes) -> LookupReply:
+        try:
+            request = _decode_request(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return LookupReply(error=f"malformed lookup request: {exc}")
+        try:
+            answers = self._readable(request.keys)
+        except Exception as exc:  # the pool failing must not take the server down
+            logger.warning("hybridkv lookup of %d keys failed: %s", len(request.keys), exc)
+            return LookupReply(error=f"lookup failed: {type(exc).__name__}: {exc}")
+        if len(answers) != len(request.keys):
+            return LookupReply(error=f"{len(answers)} answers for {len(request.keys)} keys")
+        return LookupReply(readable=[bool(answer) for answer in answers])
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(_POLL_MS):
+                    continue
+                payload = self._socket.recv()
+                self._socket.send(_encode(self._answer(payload)))
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    return
+                logger.warning("hybridkv lookup server socket error: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(0)
+        self._context.term()
+
+
+class LookupClient:
+    """REQ side; `query` returns None (and warns) instead of waiting past the timeout."""
+
+    def __init__(self, address: str | Callable[[], str | None], timeout_ms: int) -> None:
+        self._address = address
+        self._timeout_ms = timeout_ms
+        self._context = zmq.Context()
+        self._socket: zmq.Socket[bytes] | None = None
+
+    def _connect(self) -> zmq.Socket[bytes] | None:
+        if self._socket is not None:
+            return self._socket
+        address = self._address() if callable(self._address) else self._address
+        if address is None:
+            return None
+        socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+        socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        socket.connect(address)
+        self._socket = socket
+        return socket
+
+    def _reset(self) -> None:
+        # A REQ socket that missed its reply cannot send again: start a fresh one.
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+
+    def query(self, keys: Sequence[str]) -> list[bool] | None:
+        """Readability of every key, or None when the server cannot answer in time."""
+        socket = self._connect()
+        if socket is None:
+            logger.warning("hybridkv lookup server not published yet: treating as a miss")
+            return None
+        try:
+            socket.send(_encode(LookupRequest(list(keys))))
+            reply = _decode_reply(socket.recv())
+        except zmq.Again:
+            self._reset()
+            logger.warning(
+                "hybridkv lookup timed out after %d ms: recomputing instead", self._timeout_ms
+            )
+            return None
+        except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._reset()
+            logger.warning("hybridkv lookup failed (%s): recomputing instead", exc)
+            return None
+        if reply.error is not None or reply.readable is None:
+            logger.warning("hybridkv lookup refused: %s", reply.error)
+            return None
+        return reply.readable
+
+    def close(self) -> None:
+        self._reset()
+        self._context.term()
+
+
+def publish_port(path: Path, port: int) -> None:
+    """Write atomically so a reader never sees half a port number."""
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(str(port))
+    staging.replace(path)
+
+
+def published_address(path: Path) -> str | None:
+    try:
+        return f"tcp://{LOOPBACK}:{int(path.read_text())}"
+    except (FileNotFoundError, ValueError):
+        return None

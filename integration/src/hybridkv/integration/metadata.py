@@ -1,0 +1,39 @@
+"""What the scheduler tells the workers each step: per request, blocks to load and to save.
+
+Block hashes travel instead of keys: each worker renders the keys of its own storing head,
+so one metadata object serves every TP rank.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+class BlockRef(msgspec.Struct, frozen=True, array_like=True):
+    """Block `index` of plan group `group`, held locally in vLLM block `block_id`."""
+
+    group: int
+    index: int
+    block_id: int
+    block_hash: bytes
+
+
+class RequestTransfers(msgspec.Struct, kw_only=True):
+    request_id: str
+    loads: list[BlockRef] = msgspec.field(default_factory=list)
+    saves: list[BlockRef] = msgspec.field(default_factory=list)
+    # Load in the background and report through get_finished (vLLM's async load path).
+    load_async: bool = False
+
+
+class HybridKVMetadata(KVConnectorMetadata):
+    """The step's transfers; empty on steps with nothing to move."""
+
+    def __init__(self, requests: list[RequestTransfers] | None = None) -> None:
+        self.requests: list[RequestTransfers] = requests or []
+
+    def __repr__(self) -> str:
+        loads = sum(len(r.loads) for r in self.requests)
+        saves = sum(len(r.saves) for r in self.requests)
+        return f"HybridKVMetadata(requests={len(self.requests)}, loads={loads}, saves={saves})"

@@ -1,0 +1,225 @@
+"""Scheduler-side decisions: how much of a prompt the pool holds, what to load and save.
+
+Sans-I/O except for the one lookup query per request, made through a callable. The hit is
+the coordinator's: it asks which blocks any hit could need (`lookup_mask`), learns their
+readability in ONE batched query, and picks the largest boundary every group can serve
+(`find_hit`). Saves follow the coordinator's `store_mask`, one complete block at a time, in
+the step that completes it (a Mamba block holds the state at its end only then).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.coordinator import Hit, Masks, marked_blocks
+from hybridkv.integration.config import ConnectorConfig
+from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0
+
+Query = Callable[[Sequence[str]], "list[bool] | None"]
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler keeps per live request."""
+
+    request: Any
+    hashes: RequestHashes
+    store_mask: Masks
+    # Per plan group: blocks below this index are decided (saved, loaded or skipped).
+    scanned: list[int]
+    # Fallback block table when vLLM offers no current tables (append-only mirror).
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _PendingLoad:
+    local_tokens: int
+    hit: Hit
+
+
+class SchedulerSide:
+    """The scheduler role of the connector."""
+
+    def __init__(self, keys: KeySpace, config: ConnectorConfig, query: Query) -> None:
+        self.keys = keys
+        self.plan = keys.plan
+        self.config = config
+        self.coordinator = self.plan.coordinator()
+        self._query = query
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: dict[str, _PendingLoad] = {}
+        self._ready: dict[str, RequestTransfers] = {}
+        self.hit_tokens = 0
+        self.lookups = 0
+
+    # -- lookup -----------------------------------------------------------------------
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(
+                request=request,
+                hashes=RequestHashes(self.plan, self.config.namespace, request_extra(request)),
+                store_mask=self.coordinator.store_mask(request.num_prompt_tokens),
+                scanned=[0] * len(self.plan.groups),
+            )
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        """(tokens to load beyond `num_computed`, load asynchronously?)."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return 0, False  # no token ids to hash
+        max_tokens = request.num_tokens - 1
+        top = self.coordinator.max_boundary(max_tokens)
+        if top <= num_computed:
+            return 0, False
+        tracked = self._track(request)
+        tracked.hashes.cover(request.all_token_ids, top)
+        readable = self._readable(tracked, self.coordinator.lookup_mask(max_tokens), num_computed)
+        if readable is None:
+            return 0, False
+        hit = self.coordinator.find_hit(max_tokens, readable)
+        if hit.tokens <= num_computed:
+            self._pending.pop(request.request_id, None)
+            return 0, False
+        self._pending[request.request_id] = _PendingLoad(num_computed, hit)
+        return hit.tokens - num_computed, self.config.load_async
+
+    def _readable(self, tracked: _Tracked, mask: Masks, local: int) -> Masks | None:
+        """Readability of the masked blocks; blocks vLLM already holds count as readable."""
+        asked: list[tuple[int, int]] = []
+        keys: list[str] = []
+        for group, plan in enumerate(self.plan.groups):
+            size = plan.block_size
+            hashes = tracked.hashes.for_group(size)
+            blocks = [b for g, b in marked_blocks(mask) if g == group and (b + 1) * size > local]
+            asked.extend((group, block) for block in blocks)
+            keys.extend(self.keys.keys(group, [hashes[b] for b in blocks], plan.heads.heads))
+        self.lookups += 1
+        answers = self._query(keys) if keys else []
+        if answers is None:
+            return None
+        readable = [
+            [(b + 1) * plan.block_size <= local for b in range(len(mask[g]))]
+            for g, plan in enumerate(self.plan.groups)
+        ]
+        position = 0
+        for group, block in asked:
+            heads = self.plan.groups[group].heads.storing
+            # A block is usable only if EVERY storing head's object is there.
+            readable[group][block] = all(answers[position : position + heads])
+            position += heads
+        return tuple(tuple(column) for column in readable)
+
+    # -- allocation -------------------------------------------------------------------
+
+    def after_alloc(self, request: Any, block_ids: Sequence[list[int]], external: int) -> None:
+        """Turn the pending hit into per-block loads once vLLM has placed the blocks."""
+        tracked = self._track(request)
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None or external == 0:
+            return
+        if pending.local_tokens + external != pending.hit.tokens:
+            raise RuntimeError(
+                f"request {request.request_id}: vLLM allocated {external} external tokens "
+                f"after {pending.local_tokens} local ones, but the hit was "
+                f"{pending.hit.tokens} tokens"
+            )
+        loads: list[BlockRef] = []
+        for group, plan in enumerate(self.plan.groups):
+            size = plan.block_size
+            hashes = tracked.hashes.for_group(size)
+            ids = block_ids[plan.vllm_group_id]
+            for block, needed in enumerate(pending.hit.load_masks[group]):
+                if not needed or block * size < pending.local_tokens:
+                    continue  # vLLM's own prefix cache already holds it
+                if ids[block] == NULL_BLOCK_ID:
+                    raise RuntimeError(
+                        f"request {request.request_id}: vLLM gave the null block to "
+                        f"group {plan.vllm_group_id} block {block}, which the hit needs"
+                    )
+                loads.append(BlockRef(group, block, ids[block], hashes[block]))
+            tracked.scanned[group] = max(tracked.scanned[group], pending.hit.tokens // size)
+        self.hit_tokens += external
+        self._ready[request.request_id] = RequestTransfers(
+            request_id=request.request_id, loads=loads, load_async=self.config.load_async
+        )
+
+    # -- per step ---------------------------------------------------------------------
+
+    def build_meta(self, output: Any) -> HybridKVMetadata:
+        """This step's loads (decided at allocation) and saves (blocks it completes)."""
+        for request_id in output.finished_req_ids:
+            self.forget(request_id)
+        step: dict[str, RequestTransfers] = dict(self._ready)
+        self._ready.clear()
+        state = getattr(output, "kv_connector_block_state", None)
+        for new in output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
+                done = new.num_computed_tokens + output.num_scheduled_tokens[new.req_id]
+                self._plan_saves(tracked, done, state, step)
+        cached = output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if request_id in cached.resumed_req_ids and new_ids is not None:
+                tracked.block_ids = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for table, ids in zip(tracked.block_ids, new_ids, strict=True):
+                    table.extend(ids)
+            done = cached.num_computed_tokens[index] + output.num_scheduled_tokens[request_id]
+            self._plan_saves(tracked, done, state, step)
+        return HybridKVMetadata(list(step.values()))
+
+    def _plan_saves(
+        self, tracked: _Tracked, done: int, state: Any, step: dict[str, RequestTransfers]
+    ) -> None:
+        """Queue the store-worthy blocks this step completes within the prompt."""
+        request = tracked.request
+        upto = min(done, request.num_prompt_tokens)
+        current = state.get_block_ids(request.request_id) if state is not None else None
+        table = current if current is not None else tracked.block_ids
+        saves: list[BlockRef] = []
+        for group, plan in enumerate(self.plan.groups):
+            size = plan.block_size
+            complete = upto // size
+            first = tracked.scanned[group]
+            if complete <= first:
+                continue
+            tracked.hashes.cover(request.all_token_ids, complete * size)
+            hashes = tracked.hashes.for_group(size)
+            ids = table[plan.vllm_group_id]
+            mask = tracked.store_mask[group]
+            for block in range(first, min(complete, len(ids))):
+                # Null: a window or a state vLLM already dropped; it is never coming back.
+                if block < len(mask) and mask[block] and ids[block] != NULL_BLOCK_ID:
+                    saves.append(BlockRef(group, block, ids[block], hashes[block]))
+            tracked.scanned[group] = complete
+        if saves:
+            entry = step.setdefault(
+                request.request_id, RequestTransfers(request_id=request.request_id)
+            )
+            entry.saves.extend(saves)
+
+    def forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        self._ready.pop(request_id, None)
+
+    def take_stats(self) -> dict[str, int]:
+        stats = {"hit_tokens": self.hit_tokens, "lookups": self.lookups}
+        self.hit_tokens = self.lookups = 0
+        return stats
