@@ -110,3 +110,15 @@ def test_close_while_other_threads_call_never_crashes(mooncake_master: MasterPro
         thread.join(60)
     assert outcomes == ["closed"] * 4
     assert store.closed
+
+
+def test_require_real_fails_instead_of_skipping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    monkeypatch.setenv("HYBRIDKV_REQUIRE_REAL", "1")
+    with pytest.raises(pytest.fail.Exception, match="HYBRIDKV_REQUIRE_REAL=1 but cannot import"):
+        require_mooncake()
+    monkeypatch.setenv("HYBRIDKV_REQUIRE_REAL", "0")
+    with pytest.raises(pytest.skip.Exception, match=r"cannot import mooncake\.store"):
+        require_mooncake()
