@@ -1,0 +1,60 @@
+"""hybridkv.transport: KV blocks of hybrid-attention models to and from a Mooncake pool.
+
+Store half: the `Store` protocol, its Mooncake and in-memory backends, and the processes
+tests and deployments run (master, segment holder). Engine half: the object layout of a
+group's block, device-readiness events, and the engine moving blocks whole or layerwise.
+"""
+
+from hybridkv.transport.config import MooncakeConfig
+from hybridkv.transport.engine import LayerwiseStep, Ticket, TransferEngine
+from hybridkv.transport.errors import (
+    InvalidRequestError,
+    NoSpaceError,
+    NotFoundError,
+    Status,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+    TransferError,
+    UnsupportedClient,
+)
+from hybridkv.transport.events import CpuEvent, Event, make_event
+from hybridkv.transport.holder import SegmentHolder
+from hybridkv.transport.layout import CacheEntry, GroupLayout
+from hybridkv.transport.master import MasterProcess
+from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.ownership import BlockTransfer, OwnedBlock
+from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.sessions import TransferResult
+from hybridkv.transport.store import Store
+
+__all__ = [
+    "BlockTransfer",
+    "CacheEntry",
+    "CpuEvent",
+    "Event",
+    "GroupLayout",
+    "InvalidRequestError",
+    "LayerwiseStep",
+    "MasterProcess",
+    "MemoryStore",
+    "MooncakeConfig",
+    "MooncakeStore",
+    "NoSpaceError",
+    "NotFoundError",
+    "OwnedBlock",
+    "PipelineOptions",
+    "SegmentHolder",
+    "Status",
+    "Store",
+    "StoreClosed",
+    "StoreError",
+    "StoreUnavailable",
+    "Ticket",
+    "TransferEngine",
+    "TransferError",
+    "TransferResult",
+    "UnsupportedClient",
+    "make_event",
+]

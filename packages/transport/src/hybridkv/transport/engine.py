@@ -1,0 +1,372 @@
+"""Moves KV blocks between local cache memory and the store, whole or layer by layer.
+
+The engine owns two worker threads (send, receive), the ownership table of keys it writes,
+and per-request completion counts. Every transfer's bookkeeping is released in `finally`
+on the worker thread, so a failing store call never hangs `poll_finished`; an exception
+that is not a store failure is re-raised to the caller that waits for the transfer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+
+from hybridkv.transport.errors import StoreError
+from hybridkv.transport.events import Event
+from hybridkv.transport.layout import GroupLayout
+from hybridkv.transport.ownership import (
+    BlockTransfer,
+    Claim,
+    Direction,
+    OwnedBlock,
+    Ownership,
+    RequestTracker,
+)
+from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, Worker
+from hybridkv.transport.sessions import (
+    Outcome,
+    RangedReads,
+    RangedWrites,
+    Reads,
+    TransferResult,
+    WholeReads,
+    WholeWrites,
+    Writes,
+    group_batches,
+)
+from hybridkv.transport.store import Store
+
+log = logging.getLogger(__name__)
+
+_WRITES: dict[str, type[Writes]] = {"layer": RangedWrites, "group": WholeWrites}
+_READS: dict[str, type[Reads]] = {"layer": RangedReads, "group": WholeReads}
+
+
+class Ticket:
+    """A transfer running in the background; `wait()` returns its result or raises."""
+
+    def __init__(self, jobs: Sequence[Job], outcomes: Sequence[Outcome]) -> None:
+        self._jobs = list(jobs)
+        self._outcomes = list(outcomes)
+
+    @property
+    def done(self) -> bool:
+        return all(job.done for job in self._jobs)
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        for job in self._jobs:
+            job.wait(timeout)
+        result = TransferResult()
+        for outcome in self._outcomes:
+            result = result.merged(outcome.result())
+        return result
+
+
+class TransferEngine:
+    """Saves and loads the per-block objects of the given groups through `store`."""
+
+    def __init__(
+        self,
+        store: Store,
+        layouts: Sequence[GroupLayout],
+        options: PipelineOptions | None = None,
+    ) -> None:
+        self.store = store
+        self.options = options if options is not None else PipelineOptions()
+        self.layouts: dict[int, GroupLayout] = {}
+        for layout in layouts:
+            if layout.group_id in self.layouts:
+                raise ValueError(f"group {layout.group_id} has two layouts")
+            self.layouts[layout.group_id] = layout
+        self._register_buffers()
+        self.backlog = Backlog(self.options.backlog)
+        self._ownership = Ownership()
+        self._tracker = RequestTracker()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._steps: set[LayerwiseStep] = set()
+        self._sender = Worker("hybridkv-send")
+        self._receiver = Worker("hybridkv-receive")
+
+    # -- whole objects ----------------------------------------------------------------
+
+    def save(self, transfers: Sequence[BlockTransfer], ready: Event | None = None) -> Ticket:
+        """Write whole objects after `ready`; keys the pool already holds are skipped."""
+        self._check(transfers)
+        claim, outcome = self._claim(transfers)
+        writes = WholeWrites(
+            self.store, self.options, group_batches(self.layouts, claim.write), outcome
+        )
+
+        def work() -> None:
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                writes.prepare()
+                writes.write_all()
+            finally:
+                self._settle(claim, writes)
+
+        return Ticket([self._sender.submit(work)], [outcome])
+
+    def load(self, transfers: Sequence[BlockTransfer]) -> Ticket:
+        """Read whole objects into local blocks; failures name the local blocks."""
+        self._check(transfers)
+        outcome = Outcome()
+        reads = WholeReads(
+            self.store, self.options, group_batches(self.layouts, transfers), outcome
+        )
+        self._tracker.begin("load", _requests(transfers))
+
+        def work() -> None:
+            try:
+                reads.read_groups(list(reads.batches.values()))
+            finally:
+                self._tracker.end("load", _requests(transfers))
+
+        return Ticket([self._receiver.submit(work)], [outcome])
+
+    # -- layer by layer ---------------------------------------------------------------
+
+    def begin_layerwise(
+        self, loads: Sequence[BlockTransfer] = (), saves: Sequence[BlockTransfer] = ()
+    ) -> LayerwiseStep:
+        """Start one forward step's transfers: prefetch loads, open saves."""
+        self._check(loads)
+        self._check(saves)
+        step = LayerwiseStep(self, loads, saves)
+        with self._lock:
+            self._steps.add(step)
+        return step
+
+    # -- queries and lifecycle --------------------------------------------------------
+
+    def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
+        return self.store.batch_is_readable(keys) if keys else []
+
+    def poll_finished(self) -> tuple[set[str], set[str]]:
+        """(saved, loaded) request ids whose transfers issued so far all completed."""
+        return self._tracker.poll()
+
+    def outstanding(self, direction: Direction) -> int:
+        """Transfers (one per block) not yet completed: a leak check for tests."""
+        return self._tracker.outstanding(direction)
+
+    def owned_blocks(self, request_id: str) -> dict[tuple[int, int], OwnedBlock]:
+        """(group, block index) -> key and current local block this request saved."""
+        return self._ownership.owned(request_id)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget what finished requests own (call when vLLM frees them)."""
+        self._ownership.release(request_ids)
+
+    def close(self) -> None:
+        """Finish open steps, run every queued transfer, stop both threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            steps = list(self._steps)
+        for step in steps:
+            try:
+                step.finish()
+            except Exception:
+                log.exception("layerwise step failed while the engine closed")
+        self._sender.close()
+        self._receiver.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _register_buffers(self) -> None:
+        """Register each distinct memory region once (overlapping regions merged).
+
+        Registration only speeds transfers up (zero-copy); a region the store refuses,
+        e.g. one another engine on the same client registered already, is logged.
+        """
+        regions = sorted(
+            region
+            for layout in self.layouts.values()
+            for entry in layout.entries
+            if (region := entry.region) is not None
+        )
+        merged: list[list[int]] = []
+        for start, size in regions:
+            if merged and start <= merged[-1][0] + merged[-1][1]:
+                last = merged[-1]
+                last[1] = max(last[1], start + size - last[0])
+            else:
+                merged.append([start, size])
+        for start, size in merged:
+            try:
+                self.store.register_buffer(start, size)
+            except StoreError as exc:
+                log.warning("KV cache region %#x+%d not registered: %s", start, size, exc)
+
+    def _check(self, transfers: Sequence[BlockTransfer]) -> None:
+        if self._closed:
+            raise RuntimeError("TransferEngine is closed")
+        by_group: dict[int, list[int]] = {}
+        for transfer in transfers:
+            if transfer.group not in self.layouts:
+                raise ValueError(
+                    f"transfer of {transfer.key!r} names group {transfer.group}; "
+                    f"known groups: {sorted(self.layouts)}"
+                )
+            by_group.setdefault(transfer.group, []).append(transfer.local_block)
+        for group, blocks in by_group.items():
+            self.layouts[group].check_blocks(blocks)
+
+    def _claim(self, transfers: Sequence[BlockTransfer]) -> tuple[Claim, Outcome]:
+        claim = self._ownership.claim(transfers)
+        outcome = Outcome()
+        self._tracker.begin("save", _requests(transfers))
+        outcome.skipped(transfer.key for transfer in claim.done)
+        self._tracker.end("save", _requests(claim.done))
+        return claim, outcome
+
+    def _settle(self, claim: Claim, writes: Writes) -> None:
+        """Release the writers' and riders' counts whatever happened to the writes."""
+        for transfer in claim.write:
+            riders = self._ownership.settle(transfer.key, transfer.key in writes.committed)
+            self._tracker.end("save", [transfer.request_id, *riders])
+
+    def _forget_step(self, step: LayerwiseStep) -> None:
+        with self._lock:
+            self._steps.discard(step)
+
+
+class LayerwiseStep:
+    """One forward step's layer-by-layer transfers.
+
+    Call `wait_layer_loaded(L)` before layer L reads its KV, `save_layer(L, event)` after
+    layer L wrote it (event recorded on its stream), `checkpoint()` at attention
+    boundaries, and `finish()` once the step is over.
+    """
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        loads: Sequence[BlockTransfer],
+        saves: Sequence[BlockTransfer],
+    ) -> None:
+        self._engine = engine
+        options = engine.options
+        self._load_outcome = Outcome()
+        self._reads = _READS[options.granularity](
+            engine.store, options, group_batches(engine.layouts, loads), self._load_outcome
+        )
+        self._loads = list(loads)
+        self._claim, self._save_outcome = engine._claim(saves)
+        self._writes = _WRITES[options.granularity](
+            engine.store,
+            options,
+            group_batches(engine.layouts, self._claim.write),
+            self._save_outcome,
+        )
+        self._save_layers = self._writes.layers
+        self._saved: set[int] = set()
+        self._read_jobs: list[Job] = []
+        self._jobs: list[Job] = []
+        self._finished: TransferResult | None = None
+        engine._tracker.begin("load", _requests(loads))
+        if self._reads.batches:
+            self._jobs.append(engine._receiver.submit(self._reads.start))
+            self._schedule_reads(options.prefetch_layers + 1)
+        self._jobs.append(engine._sender.submit(self._writes.prepare))
+
+    def wait_layer_loaded(self, layer: int) -> dict[int, set[int]]:
+        """Block until every load this layer needs is done; returns failed local blocks.
+
+        The failed blocks (group -> local blocks, cumulative) hold no valid KV: the caller
+        must not use them and reports them to vLLM for recomputation.
+        """
+        needed = bisect.bisect_right(self._reads.layers, layer)
+        self._schedule_reads(needed + self._engine.options.prefetch_layers)
+        if needed:
+            self._jobs[0].wait()  # the session start
+            self._read_jobs[needed - 1].wait()  # FIFO: every earlier read is done too
+        return self._load_outcome.failed_blocks()
+
+    def save_layer(self, layer: int, event: Event) -> None:
+        """Queue layer `layer`'s saves; they read its KV only after `event`."""
+        if layer in self._saved:
+            raise ValueError(f"layer {layer} was already saved in this step")
+        self._saved.add(layer)
+        if layer not in self._save_layers:
+            return
+        backlog = self._engine.backlog
+        backlog.acquire()
+
+        def work() -> None:
+            try:
+                event.synchronize()
+                self._writes.write_layer(layer)
+            finally:
+                backlog.release()
+
+        try:
+            self._jobs.append(self._engine._sender.submit(work))
+        except BaseException:
+            backlog.release()
+            raise
+
+    def checkpoint(self) -> None:
+        """At an attention boundary: at most `backlog` saves in flight; surface errors."""
+        self._engine.backlog.wait_at_most(self._engine.backlog.bound)
+        for job in self._jobs:
+            if job.done and job.error is not None:
+                raise job.error
+
+    def finish(self) -> TransferResult:
+        """Complete every load, commit or revoke every save, then report (or raise)."""
+        if self._finished is not None:
+            return self._finished
+        engine = self._engine
+        self._schedule_reads(len(self._reads.layers))
+
+        def end_reads() -> None:
+            try:
+                self._reads.end()
+            finally:
+                engine._tracker.end("load", _requests(self._loads))
+
+        def end_writes() -> None:
+            try:
+                self._writes.abort()
+            finally:
+                engine._settle(self._claim, self._writes)
+
+        self._jobs.append(engine._receiver.submit(end_reads))
+        self._jobs.append(engine._sender.submit(end_writes))
+        errors = []
+        for job in self._jobs:
+            try:
+                job.wait()
+            except BaseException as exc:
+                errors.append(exc)
+        engine._forget_step(self)
+        self._finished = self._load_outcome.result().merged(self._save_outcome.result())
+        if errors:
+            raise errors[0]
+        return self._finished
+
+    def _schedule_reads(self, count: int) -> None:
+        layers = self._reads.layers
+        while len(self._read_jobs) < min(count, len(layers)):
+            layer = layers[len(self._read_jobs)]
+            job = self._engine._receiver.submit(functools.partial(self._reads.read_layer, layer))
+            self._read_jobs.append(job)
+            self._jobs.append(job)
+
+
+def _requests(transfers: Sequence[BlockTransfer]) -> list[str]:
+    return [transfer.request_id for transfer in transfers]

@@ -1,0 +1,161 @@
+"""Who writes which object, and when each request's transfers are all done.
+
+A save is owned by (request_id, group_id, logical block index): block 0 of one group is a
+different object from block 0 of another, and two requests sharing a prefix must not both
+write the same key. The first claimant writes; later claimants of a key being written ride
+on that write (they finish when it settles). A request's owned blocks survive across
+chunked-prefill steps: once committed they are skipped, with their local block id updated
+to the one the current step uses.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import msgspec
+
+Direction = Literal["save", "load"]
+OwnerId = tuple[str, int, int]  # (request_id, group_id, logical block index)
+
+
+class BlockTransfer(msgspec.Struct, frozen=True):
+    """Move one object: `key` <-> local block `local_block` of group `group`."""
+
+    key: str
+    group: int
+    local_block: int
+    request_id: str = ""
+    block_index: int = 0
+
+    @property
+    def owner(self) -> OwnerId:
+        return (self.request_id, self.group, self.block_index)
+
+
+class OwnedBlock(msgspec.Struct):
+    key: str
+    local_block: int
+    committed: bool = False
+
+
+class Claim(msgspec.Struct, frozen=True):
+    """How a batch of saves splits: write now, ride on another write, or already stored."""
+
+    write: list[BlockTransfer]
+    ride: list[BlockTransfer]
+    done: list[BlockTransfer]
+
+
+class Ownership:
+    """The owners of keys written by this engine, thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owned: dict[OwnerId, OwnedBlock] = {}
+        self._owners_of: dict[str, set[OwnerId]] = {}
+        self._riders: dict[str, list[str]] = {}  # key being written -> waiting request ids
+
+    def claim(self, transfers: Sequence[BlockTransfer]) -> Claim:
+        write: list[BlockTransfer] = []
+        ride: list[BlockTransfer] = []
+        done: list[BlockTransfer] = []
+        with self._lock:
+            for transfer in transfers:
+                owned = self._owned.get(transfer.owner)
+                if owned is not None and owned.key != transfer.key:
+                    raise ValueError(
+                        f"request {transfer.request_id!r} group {transfer.group} block "
+                        f"{transfer.block_index} already owns key {owned.key!r}, "
+                        f"not {transfer.key!r}"
+                    )
+                if owned is not None and owned.committed:
+                    owned.local_block = transfer.local_block
+                    done.append(transfer)
+                    continue
+                if owned is None:
+                    self._owned[transfer.owner] = OwnedBlock(transfer.key, transfer.local_block)
+                    self._owners_of.setdefault(transfer.key, set()).add(transfer.owner)
+                else:
+                    owned.local_block = transfer.local_block
+                if transfer.key in self._riders:
+                    self._riders[transfer.key].append(transfer.request_id)
+                    ride.append(transfer)
+                else:
+                    self._riders[transfer.key] = []
+                    write.append(transfer)
+        return Claim(write=write, ride=ride, done=done)
+
+    def settle(self, key: str, committed: bool) -> list[str]:
+        """Record the fate of a write; returns the request ids that rode on it.
+
+        A failed write forgets its owners so that a later step may try again.
+        """
+        with self._lock:
+            riders = self._riders.pop(key, [])
+            for owner in self._owners_of.get(key, set()):
+                if committed:
+                    self._owned[owner].committed = True
+                else:
+                    del self._owned[owner]
+            if not committed:
+                self._owners_of.pop(key, None)
+            return riders
+
+    def owned(self, request_id: str) -> dict[tuple[int, int], OwnedBlock]:
+        """(group, block index) -> owned block of one request (a copy)."""
+        with self._lock:
+            return {
+                (group, index): msgspec.structs.replace(block)
+                for (owner_request, group, index), block in self._owned.items()
+                if owner_request == request_id
+            }
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests; keys they are still writing keep their riders."""
+        gone = set(request_ids)
+        with self._lock:
+            for owner in [owner for owner in self._owned if owner[0] in gone]:
+                key = self._owned.pop(owner).key
+                owners = self._owners_of.get(key)
+                if owners is not None:
+                    owners.discard(owner)
+                    if not owners:
+                        del self._owners_of[key]
+
+
+class RequestTracker:
+    """Outstanding transfers per request and direction, for vLLM's `get_finished`.
+
+    A request is reported once each time all of its transfers issued so far completed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[Direction, Counter[str]] = {"save": Counter(), "load": Counter()}
+        self._finished: dict[Direction, set[str]] = {"save": set(), "load": set()}
+
+    def begin(self, direction: Direction, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._pending[direction].update(request_ids)
+
+    def end(self, direction: Direction, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            pending = self._pending[direction]
+            for request_id in request_ids:
+                pending[request_id] -= 1
+                if pending[request_id] <= 0:
+                    del pending[request_id]
+                    self._finished[direction].add(request_id)
+
+    def outstanding(self, direction: Direction) -> int:
+        with self._lock:
+            return sum(self._pending[direction].values())
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            saved, loaded = self._finished["save"], self._finished["load"]
+            self._finished = {"save": set(), "load": set()}
+            return saved, loaded

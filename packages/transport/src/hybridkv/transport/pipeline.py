@@ -1,0 +1,155 @@
+"""Background send/receive threads, the save backlog bound, and batch splitting.
+
+Every store call of the engine runs on one of two FIFO worker threads, so the model thread
+never blocks on I/O except where it must (a layer it is about to use, a full backlog). A
+job's exception is kept on its handle and re-raised to whoever waits for it; the thread
+itself survives and keeps draining its queue, so one bad job never hangs the jobs behind it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import msgspec
+
+Granularity = Literal["layer", "group"]
+
+
+class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How transfers are scheduled; validated on construction (0 = no limit).
+
+    `granularity` "layer" writes and reads each layer's byte ranges as that layer becomes
+    ready or needed (fine-grained overlap; best where a range costs little, e.g. RDMA).
+    "group" moves each group's whole objects once all its layers are ready (saves) or
+    before its first layer is needed (loads): fewer, larger store calls, the same bytes at
+    the same offsets, for transports with a high per-range cost such as Mooncake over TCP.
+    """
+
+    backlog: int = 8
+    prefetch_layers: int = 2
+    max_transfer_blocks: int = 0
+    max_transfer_bytes: int = 0
+    granularity: Granularity = "layer"
+
+    def __post_init__(self) -> None:
+        if self.backlog < 1:
+            raise ValueError(f"backlog must be >= 1 layer save, got {self.backlog}")
+        for name in ("prefetch_layers", "max_transfer_blocks", "max_transfer_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if self.granularity not in ("layer", "group"):
+            raise ValueError(f"granularity must be 'layer' or 'group', got {self.granularity!r}")
+
+    def split(self, item_bytes: Sequence[int]) -> list[slice]:
+        """Consecutive slices of a batch within the block and byte limits (>= 1 item each)."""
+        slices: list[slice] = []
+        start, count, size = 0, 0, 0
+        for index, nbytes in enumerate(item_bytes):
+            full_blocks = self.max_transfer_blocks and count >= self.max_transfer_blocks
+            full_bytes = self.max_transfer_bytes and size + nbytes > self.max_transfer_bytes
+            if count and (full_blocks or full_bytes):
+                slices.append(slice(start, index))
+                start, count, size = index, 0, 0
+            count += 1
+            size += nbytes
+        if count:
+            slices.append(slice(start, len(item_bytes)))
+        return slices
+
+
+class Job:
+    """A queued unit of work; `wait()` returns once it ran and re-raises its exception."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # kept for the waiter; the worker thread must live on
+            self.error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"transfer job still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+
+class Worker:
+    """One FIFO thread; `close()` runs everything already queued, then stops."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], None]) -> Job:
+        job = Job(work)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._thread.name} is closed")
+            self._queue.put(job)
+        return job
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            job.run()
+
+
+class Backlog:
+    """Counts layer saves queued but not finished; blocks new ones beyond the bound.
+
+    `peak` is the largest count ever seen: tests assert it never exceeds `bound`.
+    """
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._cond = threading.Condition()
+        self._outstanding = 0
+        self.peak = 0
+
+    @property
+    def outstanding(self) -> int:
+        with self._cond:
+            return self._outstanding
+
+    def acquire(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._outstanding < self.bound)
+            self._outstanding += 1
+            self.peak = max(self.peak, self._outstanding)
+
+    def release(self) -> None:
+        with self._cond:
+            self._outstanding -= 1
+            self._cond.notify_all()
+
+    def wait_at_most(self, count: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._outstanding <= count)

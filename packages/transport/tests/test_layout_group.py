@@ -1,0 +1,113 @@
+"""GroupLayout: order, prefix-sum offsets, per-layer pieces, and refusal of bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _engine_model import SPECS, Caches
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.transport.layout import CacheEntry, GroupLayout
+
+
+def entry(layer: int, name: str, nbytes: int, stride: int = 0, base: int = 4096) -> CacheEntry:
+    return CacheEntry(layer, name, base, nbytes, stride or nbytes)
+
+
+def test_example_layout_sizes_are_real_entry_sums_in_layer_then_name_order() -> None:
+    layouts = Caches(num_blocks=4).layouts
+    full, compressed, window = layouts
+    assert [(e.layer, e.name) for e in compressed.entries] == [
+        (1, "latent"),
+        (2, "indexer"),
+        (2, "latent"),
+        (3, "latent"),
+    ]
+    assert compressed.object_size == 576 * 3 + 136
+    assert [compressed.offset_of(i) for i in range(4)] == [0, 576, 712, 1288]
+    assert full.object_size == 512 + 512 + 1024
+    assert full.last_layer == 2
+    assert window.layers == (0, 3)
+    assert window.last_layer == 3
+    assert compressed.entries_of_layer(2) == (1, 2)
+    assert compressed.entries_of_layer(0) == ()
+    assert compressed.local_layer_index(3) == 2
+    assert compressed.num_blocks == 4
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 60), st.sampled_from("abcdef"), st.integers(1, 4096)),
+        min_size=1,
+        max_size=30,
+        unique_by=lambda spec: (spec[0], spec[1]),
+    )
+)
+def test_offsets_are_prefix_sums_and_layer_pieces_tile_the_object(
+    specs: list[tuple[int, str, int]],
+) -> None:
+    layout = GroupLayout(7, [entry(layer, name, size) for layer, name, size in specs])
+    ordered = sorted(specs)
+    assert [(e.layer, e.name) for e in layout.entries] == [(s[0], s[1]) for s in ordered]
+    expected = np.concatenate([[0], np.cumsum([s[2] for s in ordered])])
+    assert [layout.offset_of(i) for i in range(len(ordered))] == expected[:-1].tolist()
+    assert layout.object_size == expected[-1]
+    assert layout.layers == tuple(sorted({s[0] for s in specs}))
+    pieces = []
+    for layer in layout.layers:
+        ranges = layout.layer_ranges(layer)
+        assert ranges is not None
+        pieces.extend(zip(ranges.offsets, ranges.sizes, strict=True))
+    covered = 0
+    for offset, size in pieces:  # ranges of every layer, in order, cover the object once
+        assert offset == covered
+        covered += size
+    assert covered == layout.object_size
+
+
+def test_pointers_follow_block_stride_per_entry() -> None:
+    layout = GroupLayout(0, [entry(0, "k", 100, 128, base=1000), entry(0, "v", 50, 64, base=9000)])
+    ranges = layout.layer_ranges(0)
+    assert ranges is not None
+    assert ranges.pointers(np.array([0, 3], dtype=np.int64)) == [
+        [1000, 9000],
+        [1000 + 3 * 128, 9000 + 3 * 64],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layer": -1}, "layer must be >= 0"),
+        ({"base_ptr": 0}, "base_ptr is null"),
+        ({"block_bytes": 0}, "block_bytes must be > 0"),
+        ({"block_stride": 10}, "would overlap"),
+        ({"num_blocks": 0}, "num_blocks must be > 0"),
+    ],
+)
+def test_bad_entries_are_refused_with_a_reason(kwargs: dict[str, int], message: str) -> None:
+    values = {"layer": 0, "name": "k", "base_ptr": 64, "block_bytes": 16, "block_stride": 16}
+    values.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        CacheEntry(**values)  # type: ignore[arg-type]
+
+
+def test_duplicate_and_empty_layouts_are_refused() -> None:
+    with pytest.raises(ValueError, match="registered twice"):
+        GroupLayout(0, [entry(1, "k", 8), entry(1, "k", 8)])
+    with pytest.raises(ValueError, match="no cache entries"):
+        GroupLayout(0, [])
+
+
+def test_local_block_ids_outside_the_tensors_are_refused() -> None:
+    layout = Caches(num_blocks=4).layouts[0]
+    layout.check_blocks([0, 3])
+    with pytest.raises(ValueError, match=r"local block 4 is outside \[0, 4\)"):
+        layout.check_blocks([4])
+    with pytest.raises(ValueError, match="local block -1"):
+        layout.check_blocks([-1])
+
+
+def test_every_spec_group_is_in_the_model() -> None:
+    assert [layout.group_id for layout in Caches(2).layouts] == sorted(SPECS)
