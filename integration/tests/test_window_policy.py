@@ -34,7 +34,8 @@ def test_saved_bytes_round_trip_through_layerwise_loads(rig: Rig) -> None:
     rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
     run_forward(rig, BLOCKS, value=10)
     result = rig.strategy.wait_for_save()
-    assert result is not None and result.ok
+    assert result is not None
+    assert result.ok
     expected = {key: cache.copy() for key, cache in rig.caches.items()}
     for cache in rig.caches.values():
         cache[:] = 0
@@ -96,7 +97,8 @@ def test_a_hook_that_never_fired_is_caught_up_in_layer_order(rig: Rig) -> None:
             pass
     rig.fill(3, BLOCKS, 9)
     result = rig.strategy.wait_for_save()
-    assert result is not None and result.ok
+    assert result is not None
+    assert result.ok
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
 
 
@@ -164,7 +166,8 @@ def test_checkpoint_leaves_future_layer_gets_queued() -> None:
                 pass
         rig.strategy.post_compute_save(MIXER)
         result = rig.strategy.wait_for_save()
-        assert result is not None and result.ok
+        assert result is not None
+        assert result.ok
         assert (rig.caches[1, 3][BLOCKS] == 23).all()
     finally:
         rig.close()
@@ -178,7 +181,8 @@ def test_store_failure_of_a_put_is_reported_not_fatal() -> None:
         rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
         run_forward(rig, BLOCKS, value=1)
         result = rig.strategy.wait_for_save()
-        assert result is not None and not result.ok
+        assert result is not None
+        assert not result.ok
         assert result.failed_blocks == {0: set(BLOCKS), 1: set(BLOCKS), 2: set(BLOCKS)}
         assert store.open_put_sessions() == set()
         assert not any(rig.readable(group, BLOCKS) for group in (0, 1, 2))
@@ -192,9 +196,13 @@ def test_fatal_send_error_reaches_the_forward_and_the_step_is_drained() -> None:
     rig = Rig(store=store)
     try:
         rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
-        with pytest.raises(RuntimeError, match="injected"):
+
+        def forward_and_step_end() -> None:
             run_forward(rig, BLOCKS, value=1)
             rig.strategy.wait_for_save()
+
+        with pytest.raises(RuntimeError, match="injected"):
+            forward_and_step_end()
         assert not rig.strategy.active
         assert rig.engine.outstanding("save") == 0
         assert store.open_put_sessions() == set()  # revoked, nothing half-written
@@ -232,9 +240,11 @@ def test_failed_gets_are_reported_as_local_blocks_for_recompute() -> None:
         rig.strategy.begin_step(loads=rig.transfers(BLOCKS), saves=[])
         with rig.strategy.window(ATTENTION[0]):
             failed = rig.strategy.failed_loads()  # groups 0 and 2 hold layer 0
-            assert failed[0] == set(BLOCKS) and failed[2] == set(BLOCKS)
+            assert failed[0] == set(BLOCKS)
+            assert failed[2] == set(BLOCKS)
         result = rig.strategy.wait_for_save()
-        assert result is not None and result.failed_blocks[0] == set(BLOCKS)
+        assert result is not None
+        assert result.failed_blocks[0] == set(BLOCKS)
     finally:
         rig.close()
 
@@ -268,8 +278,8 @@ def test_a_step_abandoned_mid_forward_is_drained_by_the_next(rig: Rig) -> None:
 def test_hooks_outside_a_step_are_refused_with_the_reason(rig: Rig) -> None:
     with pytest.raises(RuntimeError, match="begin_step"), rig.strategy.window(ATTENTION[0]):
         pass
+    rig.strategy.begin_step([], [])
     with pytest.raises(KeyError, match="not a layer that reports"):
-        rig.strategy.begin_step([], [])
         rig.strategy.post_compute_save("model.layers.9.mlp")
 
 
@@ -278,7 +288,8 @@ def test_stats_account_every_wait_of_the_step(rig: Rig) -> None:
     run_forward(rig, BLOCKS, value=2)
     rig.strategy.wait_for_save()
     stats = rig.strategy.reset_stats()
-    assert stats.steps == 1 and stats.layers_saved == 4
+    assert stats.steps == 1
+    assert stats.layers_saved == 4
     assert stats.exposed_tail_s == pytest.approx(
         stats.load_wait_s + stats.backlog_wait_s + stats.finish_wait_s
     )

@@ -58,7 +58,9 @@ class AttentionLayer:
         self.impl = impl
 
     def forward(self, kv_cache: Any, attn_metadata: FakeAttnMetadata) -> None:
-        connector.wait_for_layer_load(self.layer_name)
+        if connector is not None:  # vLLM skips it without connector metadata
+            connector.wait_for_layer_load(self.layer_name)
         self.impl.forward(self, None, kv_cache, kv_cache, kv_cache, attn_metadata, output=[])
-        connector.save_kv_layer(self.layer_name, kv_cache, attn_metadata)
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, kv_cache, attn_metadata)
         trace.append(f"o_proj:{self.layer_name}")

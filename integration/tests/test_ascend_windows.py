@@ -1,0 +1,259 @@
+"""The window installed into vLLM-Ascend's FA / SFA / DSA paths, on faithful fakes.
+
+vllm-ascend and torch_npu cannot run here: `tests/fakes` mirrors their module paths, class
+and method names and call order, and a fake NPU stream runs the fake kernels on its own
+thread so the host really runs ahead of the device. The fakes are used only when the real
+packages are absent.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from fakes import FAKES_DIR, ascend_runtime, real_package_present
+from fakes.ascend_runtime import AttentionLayer, FakeAttnMetadata
+from fakes.npu import FakeNpuDevice, npu_namespace, torch_npu_module
+from layerwise_rig import Rig, wait_until
+
+from hybridkv.integration.ascend import (
+    GraphModeNotSupportedError,
+    install_ascend_windows,
+    require_eager,
+)
+from hybridkv.integration.layerwise import VllmLayerwise, plan_vllm_layers
+from hybridkv.transport import CpuEvent, Event, LayerwiseStep, make_event
+
+# vLLM (and through it transformers) probes for torch_npu on import; import the layer
+# classes the plan uses before a test puts the fake torch_npu into sys.modules.
+pytest.importorskip("vllm.model_executor.layers.mamba.abstract")
+pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
+
+if real_package_present("vllm_ascend") or real_package_present("torch_npu"):
+    pytest.skip(
+        "real vllm-ascend / torch_npu installed: the fake-based suite does not apply",
+        allow_module_level=True,
+    )
+
+NAMES = [f"model.layers.{n}.self_attn.attn" for n in range(3)]  # FA, SFA, DSA
+BLOCKS = [2, 4]
+EAGER = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True))
+
+
+class Connector:
+    """The worker's hook lines, as the hybridkv connector forwards vLLM's calls."""
+
+    def __init__(self, layerwise: VllmLayerwise) -> None:
+        self.layerwise = layerwise
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.layerwise.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        self.layerwise.save_kv_layer(layer_name)
+
+
+@pytest.fixture
+def npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNpuDevice]:
+    import torch
+
+    device = FakeNpuDevice()
+    monkeypatch.setattr(torch, "npu", npu_namespace(device), raising=False)
+    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu_module())
+    monkeypatch.syspath_prepend(str(FAKES_DIR))
+    monkeypatch.setattr(ascend_runtime, "device", device)
+    monkeypatch.setattr(ascend_runtime, "trace", [])
+    yield device
+    device.close()
+
+
+class AscendModel:
+    """Three attention layers through vllm-ascend's FA, SFA and DSA impls (the fakes)."""
+
+    def __init__(self, new_event: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vllm_ascend.attention.attention_v1 import AscendAttentionBackendImpl
+        from vllm_ascend.attention.dsa_v1 import AscendDSAImpl
+        from vllm_ascend.attention.sfa_v1 import AscendSFAImpl
+
+        self.rig = Rig(
+            groups={0: (16, (0, 1, 2))},
+            reporters={n: i for i, n in enumerate(NAMES)},
+            new_event=new_event,
+        )
+        self.fa = AttentionLayer(NAMES[0], AscendAttentionBackendImpl())
+        self.sfa = AscendSFAImpl(layer_name=NAMES[1])
+        self.dsa = AscendDSAImpl(compress_ratio=4)
+        static_forward_context = {
+            NAMES[0]: self.fa,
+            NAMES[1]: SimpleNamespace(impl=self.sfa),
+            NAMES[2]: SimpleNamespace(impl=self.dsa),
+        }
+        plan = plan_vllm_layers(static_forward_context, set(NAMES), connector_windows=False)
+        self.layerwise = VllmLayerwise(self.rig.strategy, plan)
+        self.windows = install_ascend_windows(self.rig.strategy, static_forward_context, EAGER)
+        monkeypatch.setattr(ascend_runtime, "connector", Connector(self.layerwise))
+        self._spy_on_step(monkeypatch)
+
+    def _spy_on_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        save_layer, checkpoint = LayerwiseStep.save_layer, LayerwiseStep.checkpoint
+
+        def traced_save(step: LayerwiseStep, layer: int, event: Event) -> None:
+            ascend_runtime.trace.append(f"put:{NAMES[layer]}")
+            save_layer(step, layer, event)
+
+        def traced_checkpoint(step: LayerwiseStep) -> None:
+            ascend_runtime.trace.append("checkpoint")
+            checkpoint(step)
+
+        monkeypatch.setattr(LayerwiseStep, "save_layer", traced_save)
+        monkeypatch.setattr(LayerwiseStep, "checkpoint", traced_checkpoint)
+
+    def forward(self, fill: int) -> None:
+        def meta(layer: int) -> FakeAttnMetadata:
+            return FakeAttnMetadata(write_blocks=BLOCKS, read_blocks=BLOCKS, fill=fill + layer)
+
+        self.fa.forward(self.rig.caches[0, 0], meta(0))
+        self.sfa.forward(NAMES[1], None, self.rig.caches[0, 1], meta(1), output=[])
+        self.dsa.forward(NAMES[2], None, self.rig.caches[0, 2], meta(2), output=[])
+
+    def stored_layers(self) -> list[int]:
+        """Load the saved objects back into zeroed caches; the first byte of each layer."""
+        for cache in self.rig.caches.values():
+            cache[:] = 0
+        self.rig.engine.load(self.rig.transfers(BLOCKS)).wait()
+        return [int(self.rig.caches[0, layer][BLOCKS[0], 0]) for layer in range(3)]
+
+    def close(self) -> None:
+        self.windows.uninstall()
+        self.rig.close()
+
+
+@pytest.fixture
+def model(npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch) -> Iterator[AscendModel]:
+    made = AscendModel(lambda: make_event("npu"), monkeypatch)
+    yield made
+    made.close()
+
+
+def test_each_window_sits_between_the_cache_writes_and_the_attention_op(
+    model: AscendModel,
+) -> None:
+    model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
+    model.forward(fill=30)
+    model.layerwise.wait_for_save()
+    trace = ascend_runtime.trace
+    for name in NAMES:
+        write, put = trace.index(f"cache_write:{name}"), trace.index(f"put:{name}")
+        attention, o_proj = trace.index(f"attention:{name}"), trace.index(f"o_proj:{name}")
+        checkpoint = trace.index("checkpoint", attention)
+        assert write < put < attention < checkpoint < o_proj, name
+    dsa = NAMES[2]  # after the compressor too, and never around the whole layer
+    assert trace.index(f"compressor:{dsa}") < trace.index(f"put:{dsa}")
+    assert trace.index(f"connector_wait:{dsa}") < trace.index(f"cache_write:{dsa}")
+    assert trace.count("checkpoint") == 3  # connector saves after o_proj add none
+
+
+def test_puts_wait_for_the_npu_event_while_the_host_runs_ahead(
+    model: AscendModel, npu: FakeNpuDevice
+) -> None:
+    model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
+    with npu.held():  # the device has not run a single kernel when the host is done
+        model.forward(fill=40)
+        assert not model.rig.readable(0, BLOCKS)
+    model.layerwise.wait_for_save()
+    assert model.stored_layers() == [40, 41, 42]
+
+
+def test_negative_control_an_ungated_event_saves_stale_bytes(
+    npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = AscendModel(CpuEvent, monkeypatch)
+    try:
+        model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
+        with npu.held():
+            model.forward(fill=40)
+            assert wait_until(lambda: model.rig.engine.backlog.outstanding == 0)
+        model.layerwise.wait_for_save()
+        assert model.stored_layers() == [0, 0, 0]  # read before the kernels wrote
+    finally:
+        model.close()
+
+
+def test_layerwise_loads_land_before_each_attention_op(model: AscendModel) -> None:
+    model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
+    model.forward(fill=50)
+    model.layerwise.wait_for_save()
+    for cache in model.rig.caches.values():
+        cache[:] = 0
+    model.rig.strategy.begin_step(model.rig.transfers(BLOCKS), [])
+    seen: dict[str, int] = {}
+    for layer, name in enumerate(NAMES):  # a decode step reads the loaded blocks only
+        metadata = FakeAttnMetadata(write_blocks=[0], read_blocks=BLOCKS, fill=0, seen=seen)
+        if layer == 0:
+            model.fa.forward(model.rig.caches[0, 0], metadata)
+        elif layer == 1:
+            model.sfa.forward(name, None, model.rig.caches[0, 1], metadata, output=[])
+        else:
+            model.dsa.forward(name, None, model.rig.caches[0, 2], metadata, output=[])
+    model.layerwise.wait_for_save()
+    block_bytes = model.rig.caches[0, 0].shape[1]
+    assert seen == {name: (50 + i) * block_bytes * len(BLOCKS) for i, name in enumerate(NAMES)}
+
+
+def test_outside_a_step_the_patched_paths_run_unwindowed(
+    model: AscendModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ascend_runtime, "connector", None)  # no connector metadata bound
+    model.forward(fill=1)  # a profiling / dummy run: no step is open
+    assert not any(entry.startswith(("put:", "checkpoint")) for entry in ascend_runtime.trace)
+
+
+def test_install_is_idempotent_and_uninstall_restores_every_original(
+    npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_ascend.attention import attention_v1, dsa_v1, sfa_v1
+    from vllm_ascend.device.device_op import BaseDeviceAdaptor
+
+    originals = {
+        (attention_v1.AscendAttentionBackendImpl, "forward_impl"),
+        (sfa_v1.AscendSFAImpl, "_execute_sparse_flash_attention_process"),
+        (dsa_v1.AscendDSAImpl, "_forward_attention"),
+        (BaseDeviceAdaptor, "get_dsa_sparse_attn_op"),
+    }
+    before = {(owner, name): owner.__dict__[name] for owner, name in originals}
+    model = AscendModel(CpuEvent, monkeypatch)
+    again = install_ascend_windows(model.rig.strategy, {}, EAGER)
+    assert again is model.windows
+    patched = attention_v1.AscendAttentionBackendImpl.forward_impl
+    assert patched.__wrapped__ is before[attention_v1.AscendAttentionBackendImpl, "forward_impl"]
+    assert isinstance(BaseDeviceAdaptor.__dict__["get_dsa_sparse_attn_op"], staticmethod)
+    other = Rig(groups={0: (16, (0,))}, reporters={NAMES[0]: 0})
+    with pytest.raises(RuntimeError, match="already installed"):
+        install_ascend_windows(other.strategy, {}, EAGER)
+    other.close()
+    model.close()
+    assert {key: key[0].__dict__[key[1]] for key in originals} == before
+
+
+def test_graph_mode_is_refused_with_the_switch_to_use() -> None:
+    graph = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False))
+    with pytest.raises(GraphModeNotSupportedError, match=r"enforce_eager=True.*use_layerwise"):
+        require_eager(graph)
+    require_eager(EAGER)
+
+
+def test_npu_events_come_from_the_transport_with_the_fake_torch_npu(npu: FakeNpuDevice) -> None:
+    event = make_event("npu:0")
+    with npu.held():
+        npu.launch(lambda: None)
+        event.record()
+        assert not event.query()  # type: ignore[attr-defined]
+    event.synchronize()
+    assert event.query()  # type: ignore[attr-defined]
+
+
+assert np.uint8  # numpy is what the fake caches are made of

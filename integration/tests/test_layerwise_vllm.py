@@ -1,0 +1,160 @@
+"""vLLM 0.32's connector calls mapped onto the window, with vLLM's real layer classes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from layerwise_rig import ATTENTION, MIXER, Rig, wait_until
+
+from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention  # noqa: E402
+from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
+
+BLOCKS = [0, 5]
+
+
+class CacheInKernelBackend(CPUAttentionBackend):
+    """A backend whose kernel writes the cache itself (vLLM's default for a backend)."""
+
+    forward_includes_kv_cache_update = True
+
+
+def bare(cls: type, **attributes: Any) -> Any:
+    """An instance of a real vLLM layer class without building a model around it."""
+    module = object.__new__(cls)
+    module.__dict__.update(attributes)
+    return module
+
+
+class TinyMixer(torch.nn.Module, MambaBase):  # type: ignore[misc]
+    """A Mamba-type layer: its forward updates the state cache in place, like a conv/SSM."""
+
+    def __init__(self, rig: Rig) -> None:
+        torch.nn.Module.__init__(self)
+        self.rig = rig
+
+    def forward(self, value: int) -> None:
+        self.rig.fill(3, BLOCKS, value)
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return ((1,),)
+
+    def get_state_dtype(self) -> tuple[Any, ...]:
+        return (torch.int8,)
+
+    @property
+    def mamba_type(self) -> Any:
+        return None
+
+
+def context(rig: Rig, backend: type = CPUAttentionBackend) -> dict[str, Any]:
+    layers: dict[str, Any] = {
+        ATTENTION[0]: bare(Attention, attn_backend=backend),
+        ATTENTION[1]: bare(MLAAttention, attn_backend=backend),
+        ATTENTION[2]: bare(Attention, attn_backend=backend),
+        MIXER: TinyMixer(rig),
+        "model.layers.2.self_attn.indexer.k_cache": object(),  # rides with layer 2
+    }
+    return layers
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    made = Rig()
+    yield made
+    made.close()
+
+
+def test_plan_follows_where_vllm_writes_each_cache(rig: Rig) -> None:
+    names = set(context(rig))
+    plan = plan_vllm_layers(context(rig), names)
+    assert plan.windows == set(ATTENTION)
+    assert plan.state == {MIXER}
+    assert plan.after_kernel == set()
+    in_kernel = plan_vllm_layers(context(rig, CacheInKernelBackend), names)
+    assert in_kernel.windows == {ATTENTION[1]}  # MLA always writes before its op
+    assert in_kernel.after_kernel == {ATTENTION[0], ATTENTION[2]}
+    ascend = plan_vllm_layers(context(rig), names, connector_windows=False)
+    assert ascend.windows == set()
+    assert ascend.after_kernel == set(ATTENTION)
+
+
+def forward(layerwise: VllmLayerwise, rig: Rig, mixer: TinyMixer, value: int) -> None:
+    """The calls vLLM 0.32 makes: cache update, wait_for_layer_load, kernel, save_kv_layer."""
+    for layer, name in enumerate(ATTENTION):
+        rig.fill(layer, BLOCKS, value + layer)
+        layerwise.wait_for_layer_load(name)
+        layerwise.save_kv_layer(name)
+    mixer(value + 3)  # nn.Module call: the forward hook is the post-compute save
+
+
+def test_connector_calls_and_mamba_hook_save_every_layer(rig: Rig) -> None:
+    ctx = context(rig)
+    layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)))
+    layerwise.install_state_hooks(ctx)
+    layerwise.begin_step([], rig.transfers(BLOCKS))
+    for layer, name in enumerate(ATTENTION):
+        rig.fill(layer, BLOCKS, 60 + layer)
+        layerwise.wait_for_layer_load(name)  # entry: this layer's put goes out here
+        assert rig.strategy.stats.layers_saved == layer + 1
+        layerwise.save_kv_layer(name)
+    assert wait_until(lambda: rig.readable(0, BLOCKS))
+    assert not rig.readable(1, BLOCKS)
+    ctx[MIXER](63)
+    assert rig.strategy.stats.layers_saved == 4
+    result = layerwise.wait_for_save()
+    assert result is not None
+    assert result.ok
+    assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
+    layerwise.shutdown()
+    assert not ctx[MIXER]._forward_hooks  # hooks removed on shutdown
+
+
+def test_cache_written_in_kernel_is_saved_after_the_kernel(rig: Rig) -> None:
+    ctx = context(rig, CacheInKernelBackend)
+    layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)))
+    layerwise.install_state_hooks(ctx)
+    layerwise.begin_step([], rig.transfers(BLOCKS))
+    rig.fill(0, BLOCKS, 1)
+    layerwise.wait_for_layer_load(ATTENTION[0])
+    assert rig.strategy.stats.layers_saved == 0  # the kernel has not written the cache yet
+    layerwise.save_kv_layer(ATTENTION[0])
+    assert rig.strategy.stats.layers_saved == 1
+    forward(layerwise, rig, ctx[MIXER], 10)
+    assert layerwise.wait_for_save() is not None
+    layerwise.shutdown()
+
+
+def test_mamba_hook_outside_a_step_does_nothing(rig: Rig) -> None:
+    ctx = context(rig)
+    layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)))
+    layerwise.install_state_hooks(ctx)
+    ctx[MIXER](5)  # profiling / dummy run: no step bound
+    assert rig.strategy.stats.layers_saved == 0
+    layerwise.shutdown()
+
+
+def test_build_takes_layers_from_the_engine_layouts(rig: Rig) -> None:
+    names = {entry.name for layout in rig.layouts for entry in layout.entries}
+    ctx: dict[str, Any] = {
+        name: bare(Attention, attn_backend=CPUAttentionBackend) for name in names
+    }
+    layerwise = build_vllm_layerwise(rig.engine, ctx, device="cpu")
+    layerwise.begin_step([], rig.transfers(BLOCKS))
+    for layer in range(4):
+        rig.fill(layer, BLOCKS, 90 + layer)
+        for name in sorted(n for n in names if n.endswith(f".l{layer}")):
+            layerwise.wait_for_layer_load(name)
+            layerwise.save_kv_layer(name)
+    result = layerwise.wait_for_save()
+    assert result is not None
+    assert result.ok
+    assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
+    layerwise.shutdown()
