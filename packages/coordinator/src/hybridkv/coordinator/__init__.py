@@ -1,0 +1,25 @@
+"""Store-agnostic cache-hit boundary decisions across hybrid KV cache groups."""
+
+from hybridkv.coordinator._coordinator import Coordinator, Hit, Readable
+from hybridkv.coordinator._kinds import (
+    ChunkedLocal,
+    FullAttention,
+    GroupKind,
+    RecurrentState,
+    SlidingWindow,
+)
+from hybridkv.coordinator._readable import Masks, marked_blocks, scatter_readable
+
+__all__ = [
+    "ChunkedLocal",
+    "Coordinator",
+    "FullAttention",
+    "GroupKind",
+    "Hit",
+    "Masks",
+    "Readable",
+    "RecurrentState",
+    "SlidingWindow",
+    "marked_blocks",
+    "scatter_readable",
+]

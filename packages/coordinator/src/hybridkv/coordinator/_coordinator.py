@@ -1,0 +1,289 @@
+"""One cache-hit boundary for all KV cache groups of a hybrid model.
+
+A pooled prefix is usable only at a boundary where every group has what it needs there;
+this module finds that boundary and says which blocks to store, to ask about and to load.
+It never talks to a store: readability comes in as plain data or a callable, so any store
+(Mooncake, Memcache, a dict) plugs in unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Protocol, TypeAlias
+
+from hybridkv.coordinator._kinds import GroupKind
+from hybridkv.coordinator._readable import Masks
+
+#: Per group, block-indexed readability (indices past the end are unreadable), or
+#: `readable(group, block) -> bool`.
+Readable: TypeAlias = Sequence[Sequence[bool]] | Callable[[int, int], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """`tokens` usable from the pool, and per group the blocks to load for them."""
+
+    tokens: int
+    load_masks: Masks
+
+
+class _Column(Protocol):
+    def first_miss(self, first: int, stop: int) -> int | None: ...
+
+
+class _ListColumn:
+    """Readability already in hand: `list.index` scans in C, fast enough for 131k tokens."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: list[bool]) -> None:
+        self._values = values
+
+    def first_miss(self, first: int, stop: int) -> int | None:
+        try:
+            return self._values.index(False, first, stop)
+        except ValueError:
+            return None
+
+
+class _CallableColumn:
+    """Readability asked block by block, each block at most once, only where it matters."""
+
+    __slots__ = ("_answers", "_group", "_readable")
+
+    def __init__(self, readable: Callable[[int, int], bool], group: int) -> None:
+        self._readable = readable
+        self._group = group
+        self._answers: dict[int, bool] = {}
+
+    def first_miss(self, first: int, stop: int) -> int | None:
+        for block in range(first, stop):
+            answer = self._answers.get(block)
+            if answer is None:
+                answer = self._answers[block] = bool(self._readable(self._group, block))
+            if not answer:
+                return block
+        return None
+
+
+def _require_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class Coordinator:
+    """Decides the hit boundary and the blocks behind it for a fixed set of groups.
+
+    `alignment` (default: lcm of the block sizes) is the step hits land on; it must be a
+    multiple of every block size so a boundary never splits a block. With `use_eagle`,
+    every group with `drops_eagle_block` must also have the block starting at the
+    boundary readable and inside `max_tokens`: the matched run reaches one block further
+    and vLLM drops that last matched block to recompute it for the draft head. With
+    `retention_interval=k`, sparse groups keep (and lookups ask for) their needs only at
+    every k-th aligned boundary plus the replay boundaries of each request.
+    """
+
+    __slots__ = ("_alignment", "_eagle", "_eagle_tokens", "_groups", "_retention", "_use_eagle")
+
+    def __init__(
+        self,
+        groups: Sequence[GroupKind],
+        alignment: int | None = None,
+        use_eagle: bool = False,
+        retention_interval: int = 1,
+    ) -> None:
+        groups = tuple(groups)
+        if not groups:
+            raise ValueError("groups: a coordinator needs at least one KV cache group")
+        for index, group in enumerate(groups):
+            if not isinstance(group, GroupKind):
+                raise ValueError(
+                    f"groups[{index}]: unknown group kind {type(group).__name__} "
+                    "(use FullAttention, SlidingWindow, ChunkedLocal or RecurrentState)"
+                )
+        block_sizes = [group.block_size for group in groups]
+        if alignment is None:
+            alignment = math.lcm(*block_sizes)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+            raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+        for index, size in enumerate(block_sizes):
+            if alignment % size:
+                raise ValueError(
+                    f"alignment {alignment} is not a multiple of groups[{index}].block_size "
+                    f"{size}: a hit boundary would split its blocks"
+                )
+        if not isinstance(use_eagle, bool):
+            raise ValueError(f"use_eagle must be a bool, got {use_eagle!r}")
+        if (
+            isinstance(retention_interval, bool)
+            or not isinstance(retention_interval, int)
+            or retention_interval <= 0
+        ):
+            raise ValueError(
+                f"retention_interval must be a positive int, got {retention_interval!r}"
+            )
+        if retention_interval > 1 and not any(group.sparse for group in groups):
+            raise ValueError(
+                f"retention_interval {retention_interval} has no effect: no SlidingWindow "
+                "or RecurrentState group keeps per-boundary snapshots"
+            )
+        self._groups = groups
+        self._alignment = alignment
+        self._use_eagle = use_eagle
+        self._retention = retention_interval
+        self._eagle = tuple(int(use_eagle and group.drops_eagle_block) for group in groups)
+        self._eagle_tokens = max(
+            (group.block_size for group, extra in zip(groups, self._eagle) if extra), default=0
+        )
+
+    @property
+    def groups(self) -> tuple[GroupKind, ...]:
+        return self._groups
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def use_eagle(self) -> bool:
+        return self._use_eagle
+
+    @property
+    def retention_interval(self) -> int:
+        return self._retention
+
+    def max_boundary(self, max_tokens: int) -> int:
+        """Largest boundary a hit capped at `max_tokens` could land on.
+
+        With EAGLE the dropped block past the boundary must fit under the cap too.
+        """
+        max_tokens = _require_count("max_tokens", max_tokens)
+        return max(0, max_tokens - self._eagle_tokens) // self._alignment * self._alignment
+
+    def find_hit(self, max_tokens: int, readable: Readable) -> Hit:
+        """Largest aligned boundary <= `max_tokens` whose needs are readable in every group.
+
+        Each group in turn lowers the candidate to its own largest readable boundary until
+        all agree (vLLM's convergence loop). A group jumps straight below the first miss in
+        a candidate's needs: needs only slide left as the boundary shrinks, so every
+        boundary in between would still need that block.
+        """
+        top = self.max_boundary(max_tokens)
+        columns = self._columns(top, readable)
+        tokens = top
+        agreed = 0
+        group = 0
+        while tokens > 0 and agreed < len(self._groups):
+            lower = self._largest_readable(group, tokens, columns[group])
+            agreed = agreed + 1 if lower == tokens else 1
+            tokens = lower
+            group = (group + 1) % len(self._groups)
+        return Hit(tokens, self._needed_masks(tokens))
+
+    def lookup_mask(self, max_tokens: int) -> Masks:
+        """Blocks to ask the store about so one batched query decides any hit.
+
+        Covers every boundary `find_hit(max_tokens, ...)` can land on (for sparse groups
+        under retention: the retained ones and the top one), with EAGLE's extra block.
+        """
+        top = self.max_boundary(max_tokens)
+        return tuple(
+            self._reach_mask(group, self._boundaries(group, top, (top,)), max_tokens)
+            for group in range(len(self._groups))
+        )
+
+    def store_mask(self, num_tokens: int) -> Masks:
+        """Blocks to persist after computing `num_tokens` so later lookups can hit.
+
+        Dense groups keep every block some reachable boundary needs; sparse groups keep
+        only the windows/snapshots of aligned boundaries (under retention, of every k-th
+        one and of the two replay boundaries: a resend capped at `num_tokens - 1` and an
+        extension capped at `num_tokens`).
+        """
+        top = self.max_boundary(num_tokens)
+        replays = (top, self.max_boundary(max(0, num_tokens - 1)))
+        return tuple(
+            self._reach_mask(group, self._boundaries(group, top, replays), num_tokens)
+            for group in range(len(self._groups))
+        )
+
+    def load_mask(self, tokens: int) -> Masks:
+        """Blocks needed at exactly boundary `tokens`."""
+        tokens = _require_count("tokens", tokens)
+        if tokens % self._alignment:
+            raise ValueError(
+                f"tokens {tokens} is not a multiple of the alignment {self._alignment}"
+            )
+        return self._needed_masks(tokens)
+
+    def _reach(self, group: int, tokens: int) -> tuple[int, int]:
+        """Blocks `[first, stop)` that must be readable for a hit at `tokens` (> 0)."""
+        kind = self._groups[group]
+        return kind.first_needed(tokens), tokens // kind.block_size + self._eagle[group]
+
+    def _largest_readable(self, group: int, tokens: int, column: _Column) -> int:
+        """Largest aligned boundary <= `tokens` at which this group alone can hit."""
+        block_size = self._groups[group].block_size
+        extra = self._eagle[group]
+        while tokens > 0:
+            miss = column.first_miss(*self._reach(group, tokens))
+            if miss is None:
+                return tokens
+            # The next candidate's reach must stop before the miss.
+            tokens = max(0, (miss - extra) * block_size // self._alignment * self._alignment)
+        return 0
+
+    def _columns(self, top: int, readable: Readable) -> list[_Column]:
+        if callable(readable):
+            return [_CallableColumn(readable, group) for group in range(len(self._groups))]
+        if len(readable) != len(self._groups):
+            raise ValueError(
+                f"readable has {len(readable)} entries for {len(self._groups)} groups"
+            )
+        columns: list[_Column] = []
+        for group, (kind, given) in enumerate(zip(self._groups, readable)):
+            length = top // kind.block_size + self._eagle[group] if top else 0
+            values = list(islice(given, length))
+            # Counted in C: anything neither True- nor False-equal (None, "x") is refused.
+            if values.count(True) + values.count(False) != len(values):
+                raise ValueError(f"readable[{group}] must hold bools")
+            values.extend([False] * (length - len(values)))
+            columns.append(_ListColumn(values))
+        return columns
+
+    def _boundaries(self, group: int, top: int, replays: Iterable[int]) -> Iterable[int]:
+        """Ascending boundaries <= `top` whose needs this group keeps (and asks for)."""
+        step = self._alignment
+        if self._retention == 1 or not self._groups[group].sparse:
+            return range(step, top + 1, step)
+        retained = set(range(step * self._retention, top + 1, step * self._retention))
+        retained.update(replay for replay in replays if replay > 0)
+        return sorted(retained)
+
+    def _reach_mask(self, group: int, boundaries: Iterable[int], tokens: int) -> tuple[bool, ...]:
+        """Union of the reach of `boundaries` over the full blocks of `tokens` tokens.
+
+        Runs are merged before writing: reaches only move right as boundaries grow.
+        """
+        marks = [False] * (tokens // self._groups[group].block_size)
+        run_first = run_stop = 0
+        for tokens in boundaries:
+            first, stop = self._reach(group, tokens)
+            if first > run_stop:
+                marks[run_first:run_stop] = [True] * (run_stop - run_first)
+                run_first = first
+            run_stop = stop
+        marks[run_first:run_stop] = [True] * (run_stop - run_first)
+        return tuple(marks)
+
+    def _needed_masks(self, tokens: int) -> Masks:
+        masks = []
+        for kind in self._groups:
+            blocks = tokens // kind.block_size
+            first = kind.first_needed(tokens) if tokens else 0
+            masks.append((False,) * first + (True,) * (blocks - first))
+        return tuple(masks)

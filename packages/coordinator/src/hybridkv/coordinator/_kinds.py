@@ -1,0 +1,115 @@
+"""What each kind of KV cache group needs at a cache-hit boundary.
+
+Every kind answers the same two questions, so the coordinator never asks which kind it
+holds: the first block a boundary needs (the needs always end at the block ending at the
+boundary) and whether the kind takes part in EAGLE's dropped block. Needs only ever slide
+right as the boundary grows, which is what lets the coordinator skip past a miss.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+def _require_positive(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKind(ABC):
+    """One KV cache group. `block_size` is the raw tokens one block covers.
+
+    Needs at boundary T (T a multiple of `block_size`, T > 0) are the blocks
+    `first_needed(T) .. T // block_size - 1`; T = 0 needs nothing.
+    """
+
+    block_size: int
+
+    #: The group's KV at boundary T is a snapshot (a window or a state), not a prefix, so
+    #: keeping it at every boundary costs storage that `retention_interval` may thin.
+    sparse: ClassVar[bool]
+    #: The group is attention that EAGLE re-drafts: its matched run must reach one block
+    #: past the hit, which vLLM then drops and recomputes.
+    drops_eagle_block: ClassVar[bool]
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, "block_size", self.block_size)
+
+    @abstractmethod
+    def first_needed(self, tokens: int) -> int:
+        """First block index needed at boundary `tokens` (> 0); never decreases with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttention(GroupKind):
+    """Attends to the whole prefix (also compressed-KV and indexer caches)."""
+
+    sparse: ClassVar[bool] = False
+    drops_eagle_block: ClassVar[bool] = True
+
+    def first_needed(self, tokens: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindow(GroupKind):
+    """Attends to the last `window` tokens, the current one included.
+
+    The next token sees `window - 1` earlier tokens, hence `ceil((window - 1) / bs)` blocks
+    (vLLM's `cdiv(sliding_window - 1, block_size)`).
+    """
+
+    window: int
+
+    sparse: ClassVar[bool] = True
+    drops_eagle_block: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        GroupKind.__post_init__(self)
+        _require_positive("SlidingWindow", "window", self.window)
+
+    @property
+    def window_blocks(self) -> int:
+        return -(-(self.window - 1) // self.block_size)
+
+    def first_needed(self, tokens: int) -> int:
+        return max(0, tokens // self.block_size - self.window_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedLocal(GroupKind):
+    """Attends only within its `chunk`-token chunk (Llama 4 style local attention).
+
+    `chunk` need not be a multiple of `block_size`: the block holding the chunk's first
+    token is then needed too, as vLLM's chunked local manager floors the same way.
+    """
+
+    chunk: int
+
+    sparse: ClassVar[bool] = False
+    drops_eagle_block: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        GroupKind.__post_init__(self)
+        _require_positive("ChunkedLocal", "chunk", self.chunk)
+
+    def first_needed(self, tokens: int) -> int:
+        return tokens // self.chunk * self.chunk // self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentState(GroupKind):
+    """State that summarises the whole prefix (Mamba "align" snapshots, compressor state).
+
+    Only the snapshot in the block ending at the boundary is needed. Draft heads carry no
+    such state, so EAGLE adds nothing here.
+    """
+
+    sparse: ClassVar[bool] = True
+    drops_eagle_block: ClassVar[bool] = False
+
+    def first_needed(self, tokens: int) -> int:
+        return tokens // self.block_size - 1

@@ -1,0 +1,128 @@
+"""The issue's definitions computed the slow, obvious way: token by token, boundary by
+boundary, with no shared code from the package beyond the kind classes themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hybridkv.coordinator import (
+    ChunkedLocal,
+    FullAttention,
+    GroupKind,
+    RecurrentState,
+    SlidingWindow,
+)
+
+IsReadable = Callable[[int, int], bool]
+
+
+def needs(kind: GroupKind, tokens: int) -> set[int]:
+    """Blocks holding the tokens the next token after `tokens` depends on."""
+    if tokens == 0:
+        return set()
+    bs = kind.block_size
+    if isinstance(kind, FullAttention):
+        needed_tokens = range(tokens)
+    elif isinstance(kind, SlidingWindow):
+        needed_tokens = range(max(0, tokens - (kind.window - 1)), tokens)
+    elif isinstance(kind, ChunkedLocal):
+        needed_tokens = range(tokens // kind.chunk * kind.chunk, tokens)
+    elif isinstance(kind, RecurrentState):
+        needed_tokens = range(tokens - 1, tokens)
+    else:
+        raise AssertionError(kind)
+    return {token // bs for token in needed_tokens}
+
+
+def drops_eagle(kind: GroupKind) -> bool:
+    return not isinstance(kind, RecurrentState)
+
+
+def eagle_fits(groups: Sequence[GroupKind], use_eagle: bool, tokens: int, cap: int) -> bool:
+    """With EAGLE, each attention group's dropped block (the one starting at `tokens`)
+    must lie inside the cap."""
+    return not use_eagle or all(
+        tokens + kind.block_size <= cap for kind in groups if drops_eagle(kind)
+    )
+
+
+def reach(kind: GroupKind, use_eagle: bool, tokens: int) -> set[int]:
+    blocks = needs(kind, tokens)
+    if use_eagle and drops_eagle(kind) and tokens > 0:
+        blocks.add(tokens // kind.block_size)
+    return blocks
+
+
+def candidates(groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int) -> list[int]:
+    return [
+        tokens
+        for tokens in range(alignment, cap + 1, alignment)
+        if eagle_fits(groups, use_eagle, tokens, cap)
+    ]
+
+
+def as_mask(blocks: set[int], length: int) -> tuple[bool, ...]:
+    return tuple(block in blocks for block in range(length))
+
+
+def find_hit(
+    groups: Sequence[GroupKind],
+    alignment: int,
+    use_eagle: bool,
+    max_tokens: int,
+    is_readable: IsReadable,
+) -> tuple[int, tuple[tuple[bool, ...], ...]]:
+    hit = 0
+    for tokens in candidates(groups, alignment, use_eagle, max_tokens):
+        if all(
+            is_readable(group, block)
+            for group, kind in enumerate(groups)
+            for block in reach(kind, use_eagle, tokens)
+        ):
+            hit = tokens
+    return hit, load_mask(groups, hit)
+
+
+def load_mask(groups: Sequence[GroupKind], tokens: int) -> tuple[tuple[bool, ...], ...]:
+    return tuple(as_mask(needs(kind, tokens), tokens // kind.block_size) for kind in groups)
+
+
+def _kept_mask(
+    groups: Sequence[GroupKind],
+    alignment: int,
+    use_eagle: bool,
+    retention: int,
+    cap: int,
+    replays: set[int],
+) -> tuple[tuple[bool, ...], ...]:
+    masks = []
+    for kind in groups:
+        blocks: set[int] = set()
+        for tokens in candidates(groups, alignment, use_eagle, cap):
+            thinned = retention > 1 and isinstance(kind, SlidingWindow | RecurrentState)
+            if thinned and tokens % (retention * alignment) and tokens not in replays:
+                continue
+            blocks |= reach(kind, use_eagle, tokens)
+        masks.append(as_mask(blocks, cap // kind.block_size))
+    return tuple(masks)
+
+
+def top(groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int) -> int:
+    return max(candidates(groups, alignment, use_eagle, cap), default=0)
+
+
+def lookup_mask(
+    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, retention: int, max_tokens: int
+) -> tuple[tuple[bool, ...], ...]:
+    replays = {top(groups, alignment, use_eagle, max_tokens)}
+    return _kept_mask(groups, alignment, use_eagle, retention, max_tokens, replays)
+
+
+def store_mask(
+    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, retention: int, num_tokens: int
+) -> tuple[tuple[bool, ...], ...]:
+    replays = {
+        top(groups, alignment, use_eagle, num_tokens),
+        top(groups, alignment, use_eagle, max(0, num_tokens - 1)),
+    }
+    return _kept_mask(groups, alignment, use_eagle, retention, num_tokens, replays)

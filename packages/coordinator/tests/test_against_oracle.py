@@ -1,0 +1,160 @@
+"""The fast coordinator agrees with the naive definitions on random hybrid models."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import coordinator_oracle as oracle
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.coordinator import (
+    ChunkedLocal,
+    Coordinator,
+    FullAttention,
+    GroupKind,
+    RecurrentState,
+    SlidingWindow,
+    marked_blocks,
+    scatter_readable,
+)
+
+BLOCK_SIZES = st.sampled_from([16, 32, 64])
+KINDS = st.one_of(
+    st.builds(FullAttention, BLOCK_SIZES),
+    st.builds(SlidingWindow, BLOCK_SIZES, window=st.integers(1, 300)),
+    st.builds(ChunkedLocal, BLOCK_SIZES, chunk=st.one_of(st.integers(1, 400), BLOCK_SIZES)),
+    st.builds(RecurrentState, BLOCK_SIZES),
+)
+DEEPSEEK_V4 = [FullAttention(16), FullAttention(32), SlidingWindow(16, window=16)]
+
+
+@dataclass(frozen=True)
+class Case:
+    groups: list[GroupKind]
+    alignment: int
+    use_eagle: bool
+    retention: int
+
+    def coordinator(self) -> Coordinator:
+        return Coordinator(self.groups, self.alignment, self.use_eagle, self.retention)
+
+
+@st.composite
+def cases(draw: st.DrawFn, groups: st.SearchStrategy[list[GroupKind]] | None = None) -> Case:
+    kinds = draw(groups if groups is not None else st.lists(KINDS, min_size=1, max_size=4))
+    lcm = math.lcm(*(kind.block_size for kind in kinds))
+    alignment = lcm * draw(st.sampled_from([1, 1, 2, 3]))
+    sparse = any(isinstance(kind, SlidingWindow | RecurrentState) for kind in kinds)
+    retention = draw(st.integers(1, 4)) if sparse else 1
+    return Case(kinds, alignment, draw(st.booleans()), retention)
+
+
+@st.composite
+def readable_sets(draw: st.DrawFn, case: Case, max_tokens: int) -> list[list[bool]]:
+    """Mostly-readable columns with a few misses (random bools almost never hit), of
+    random length so indices past the end are exercised too."""
+    columns = []
+    for kind in case.groups:
+        blocks = max_tokens // kind.block_size
+        length = draw(st.integers(0, blocks + 2))
+        if draw(st.booleans()):
+            misses = draw(st.sets(st.integers(0, max(0, length - 1)), max_size=3))
+            columns.append([block not in misses for block in range(length)])
+        else:
+            columns.append(draw(st.lists(st.booleans(), min_size=length, max_size=length)))
+    return columns
+
+
+def reader(columns: list[list[bool]]) -> oracle.IsReadable:
+    return lambda group, block: block < len(columns[group]) and columns[group][block]
+
+
+TOKENS = st.integers(0, 1100)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), cases(), TOKENS)
+def test_find_hit_matches_oracle(data: st.DataObject, case: Case, max_tokens: int) -> None:
+    columns = data.draw(readable_sets(case, max_tokens))
+    expected = oracle.find_hit(
+        case.groups, case.alignment, case.use_eagle, max_tokens, reader(columns)
+    )
+    coord = case.coordinator()
+    hit = coord.find_hit(max_tokens, columns)
+    assert (hit.tokens, hit.load_masks) == expected
+    assert coord.find_hit(max_tokens, reader(columns)) == hit
+    assert hit.tokens % case.alignment == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), cases(st.just(DEEPSEEK_V4)), TOKENS)
+def test_deepseek_v4_shape_matches_oracle(
+    data: st.DataObject, case: Case, max_tokens: int
+) -> None:
+    columns = data.draw(readable_sets(case, max_tokens))
+    hit = case.coordinator().find_hit(max_tokens, columns)
+    assert (hit.tokens, hit.load_masks) == oracle.find_hit(
+        case.groups, case.alignment, case.use_eagle, max_tokens, reader(columns)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), TOKENS)
+def test_masks_match_oracle(case: Case, tokens: int) -> None:
+    coord = case.coordinator()
+    args = (case.groups, case.alignment, case.use_eagle, case.retention, tokens)
+    assert coord.lookup_mask(tokens) == oracle.lookup_mask(*args)
+    assert coord.store_mask(tokens) == oracle.store_mask(*args)
+    aligned = tokens // case.alignment * case.alignment
+    assert coord.load_mask(aligned) == oracle.load_mask(case.groups, aligned)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), cases(), TOKENS)
+def test_one_batched_lookup_decides_the_hit(
+    data: st.DataObject, case: Case, max_tokens: int
+) -> None:
+    """Asking the store only about `lookup_mask` blocks, in one flat batch, loses no hit
+    the retained boundaries could give."""
+    columns = data.draw(readable_sets(case, max_tokens))
+    coord = case.coordinator()
+    mask = coord.lookup_mask(max_tokens)
+    is_readable = reader(columns)
+    answers = [is_readable(group, block) for group, block in marked_blocks(mask)]
+    hit = coord.find_hit(max_tokens, scatter_readable(mask, answers))
+
+    def asked_and_readable(group: int, block: int) -> bool:
+        return block < len(mask[group]) and mask[group][block] and is_readable(group, block)
+
+    expected = oracle.find_hit(
+        case.groups, case.alignment, case.use_eagle, max_tokens, asked_and_readable
+    )
+    assert (hit.tokens, hit.load_masks) == expected
+    if case.retention == 1:
+        assert hit == coord.find_hit(max_tokens, columns)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), cases(), st.integers(1, 1100))
+def test_store_then_lookup_finds_the_aligned_prefix(
+    data: st.DataObject, case: Case, num_tokens: int
+) -> None:
+    """What one request stores, a later request over the same tokens finds again: a
+    resend (capped at num_tokens - 1), an extension, and with dense retention any
+    shorter cap."""
+    coord = case.coordinator()
+    stored = coord.store_mask(num_tokens)
+    caps = [num_tokens - 1, num_tokens]
+    if case.retention == 1:
+        caps.append(data.draw(st.integers(0, num_tokens)))
+    for cap in caps:
+        mask = coord.lookup_mask(cap)
+        answers = [
+            block < len(stored[group]) and stored[group][block]
+            for group, block in marked_blocks(mask)
+        ]
+        hit = coord.find_hit(cap, scatter_readable(mask, answers))
+        assert hit.tokens == coord.max_boundary(cap)
+        assert hit.load_masks == coord.load_mask(hit.tokens)
