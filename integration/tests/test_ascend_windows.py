@@ -54,7 +54,7 @@ class Connector:
         self.layerwise.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
-        self.layerwise.save_kv_layer(layer_name)
+        self.layerwise.save_layer(layer_name)
 
 
 @pytest.fixture
@@ -257,3 +257,28 @@ def test_npu_events_come_from_the_transport_with_the_fake_torch_npu(npu: FakeNpu
 
 
 assert np.uint8  # numpy is what the fake caches are made of
+
+
+def test_build_on_npu_installs_the_windows_and_shutdown_removes_them(
+    npu: FakeNpuDevice,
+) -> None:
+    from vllm_ascend.attention.attention_v1 import AscendAttentionBackendImpl
+
+    from hybridkv.integration.layerwise import build_vllm_layerwise
+
+    original = AscendAttentionBackendImpl.__dict__["forward_impl"]
+    rig = Rig(groups={0: (16, (0,))}, reporters={})
+    ctx = {"g0.l0": AttentionLayer("g0.l0", AscendAttentionBackendImpl())}
+    graph = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False))
+    with pytest.raises(GraphModeNotSupportedError):
+        build_vllm_layerwise(rig.engine, ctx, "npu:0", graph)
+    layerwise = build_vllm_layerwise(rig.engine, ctx, "npu:0", EAGER)
+    assert AscendAttentionBackendImpl.__dict__["forward_impl"] is not original
+    layerwise.begin_step([], rig.transfers(BLOCKS))
+    ctx["g0.l0"].forward(rig.caches[0, 0], FakeAttnMetadata(BLOCKS, BLOCKS, fill=7))
+    layerwise.save_layer("g0.l0")  # the window already saved it: no second put
+    assert layerwise.strategy.stats.layers_saved == 1
+    assert layerwise.wait_for_save() is not None
+    layerwise.shutdown()
+    assert AscendAttentionBackendImpl.__dict__["forward_impl"] is original
+    rig.close()

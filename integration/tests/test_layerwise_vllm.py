@@ -91,7 +91,7 @@ def forward(layerwise: VllmLayerwise, rig: Rig, mixer: TinyMixer, value: int) ->
     for layer, name in enumerate(ATTENTION):
         rig.fill(layer, BLOCKS, value + layer)
         layerwise.wait_for_layer_load(name)
-        layerwise.save_kv_layer(name)
+        layerwise.save_layer(name)
     mixer(value + 3)  # nn.Module call: the forward hook is the post-compute save
 
 
@@ -104,7 +104,7 @@ def test_connector_calls_and_mamba_hook_save_every_layer(rig: Rig) -> None:
         rig.fill(layer, BLOCKS, 60 + layer)
         layerwise.wait_for_layer_load(name)  # entry: this layer's put goes out here
         assert rig.strategy.stats.layers_saved == layer + 1
-        layerwise.save_kv_layer(name)
+        layerwise.save_layer(name)
     assert wait_until(lambda: rig.readable(0, BLOCKS))
     assert not rig.readable(1, BLOCKS)
     ctx[MIXER](63)
@@ -125,7 +125,7 @@ def test_cache_written_in_kernel_is_saved_after_the_kernel(rig: Rig) -> None:
     rig.fill(0, BLOCKS, 1)
     layerwise.wait_for_layer_load(ATTENTION[0])
     assert rig.strategy.stats.layers_saved == 0  # the kernel has not written the cache yet
-    layerwise.save_kv_layer(ATTENTION[0])
+    layerwise.save_layer(ATTENTION[0])
     assert rig.strategy.stats.layers_saved == 1
     forward(layerwise, rig, ctx[MIXER], 10)
     assert layerwise.wait_for_save() is not None
@@ -152,7 +152,7 @@ def test_build_takes_layers_from_the_engine_layouts(rig: Rig) -> None:
         rig.fill(layer, BLOCKS, 90 + layer)
         for name in sorted(n for n in names if n.endswith(f".l{layer}")):
             layerwise.wait_for_layer_load(name)
-            layerwise.save_kv_layer(name)
+            layerwise.save_layer(name)
     result = layerwise.wait_for_save()
     assert result is not None
     assert result.ok

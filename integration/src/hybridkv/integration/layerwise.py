@@ -80,6 +80,7 @@ class VllmLayerwise:
         self._plan = plan
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
+        self._uninstall: list[Callable[[], None]] = []
 
     def install_state_hooks(self, static_forward_context: Mapping[str, Any]) -> None:
         """Post-compute save for Mamba-type layers, which never call the connector."""
@@ -99,7 +100,8 @@ class VllmLayerwise:
         elif layer_name in self._plan.after_kernel:
             self.strategy.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str) -> None:
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM's `save_kv_layer`."""
         if layer_name in self._open_windows:
             self._open_windows.discard(layer_name)
             self.strategy.checkpoint()
@@ -114,10 +116,16 @@ class VllmLayerwise:
         self._open_windows.clear()
         return self.strategy.wait_for_save()
 
+    def failed_loads(self) -> dict[int, set[int]]:
+        return self.strategy.failed_loads()
+
     def shutdown(self) -> None:
+        """Teardown: drain the open step, remove every hook and patch installed."""
         self._open_windows.clear()
         self.strategy.abort()
         self.remove_hooks()
+        while self._uninstall:
+            self._uninstall.pop()()
 
     def _state_hook(self, name: str) -> Callable[..., None]:
         import torch
@@ -138,17 +146,22 @@ def build_vllm_layerwise(
     engine: TransferEngine,
     static_forward_context: Mapping[str, Any],
     device: str,
-    connector_windows: bool = True,
+    vllm_config: Any = None,
 ) -> VllmLayerwise:
     """Everything the worker needs, from its engine and the model's layer modules.
 
-    Physical layers come from the engine's layouts (the same numbering as the objects'
-    byte offsets); Mamba-type modules get their post-compute hook here.
+    Physical layers come from the engine's layouts (the numbering of the objects' byte
+    offsets; an entry `name#k` belongs to layer name `name`). Mamba-type modules get their
+    post-compute hook here; on an NPU the windows are installed into vLLM-Ascend's
+    attention paths instead of vLLM's connector calls (eager mode only).
     """
     layer_of = {
-        entry.name: entry.layer for layout in engine.layouts.values() for entry in layout.entries
+        entry.name.split("#", 1)[0]: entry.layer
+        for layout in engine.layouts.values()
+        for entry in layout.entries
     }
-    plan = plan_vllm_layers(static_forward_context, set(layer_of), connector_windows)
+    on_npu = device.split(":", 1)[0] == "npu"
+    plan = plan_vllm_layers(static_forward_context, set(layer_of), connector_windows=not on_npu)
     strategy = LayerwiseStrategy(
         engine,
         layers=sorted(set(layer_of.values())),
@@ -156,5 +169,10 @@ def build_vllm_layerwise(
         new_event=lambda: make_event(device),
     )
     layerwise = VllmLayerwise(strategy, plan)
+    if on_npu:
+        from hybridkv.integration.ascend import install_ascend_windows
+
+        windows = install_ascend_windows(strategy, static_forward_context, vllm_config)
+        layerwise._uninstall.append(windows.uninstall)
     layerwise.install_state_hooks(static_forward_context)
     return layerwise
