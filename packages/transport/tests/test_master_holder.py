@@ -88,7 +88,7 @@ def test_master_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path: P
     fake.write_text("#!/bin/sh\necho 'cannot bind' >&2\nexit 3\n")
     fake.chmod(0o755)
     with pytest.raises(StoreUnavailable, match=r"exited with 3 before listening(.|\n)*cannot bind"):
-        MasterProcess.start(binary=fake, rpc_port=busy, timeout_s=5)
+        MasterProcess.start(binary=fake, rpc_port=busy, timeout_s=5, log_path=tmp_path / "m.log")
 
 
 def test_master_that_never_listens_is_stopped_after_the_timeout(tmp_path: Path) -> None:
@@ -96,7 +96,9 @@ def test_master_that_never_listens_is_stopped_after_the_timeout(tmp_path: Path) 
     fake.write_text("#!/bin/sh\necho $$ > " + str(tmp_path / "pid") + "\nexec sleep 60\n")
     fake.chmod(0o755)
     with pytest.raises(StoreUnavailable, match="not listening after 1 s"):
-        MasterProcess.start(binary=fake, rpc_port=free_port(), timeout_s=1)
+        MasterProcess.start(
+            binary=fake, rpc_port=free_port(), timeout_s=1, log_path=tmp_path / "m.log"
+        )
     assert not pid_alive(int((tmp_path / "pid").read_text()))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
@@ -73,24 +74,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def mooncake_master() -> Iterator[MasterProcess]:
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
     require_mooncake()
-    with MasterProcess.start() as master:
+    log = tmp_path_factory.mktemp("mooncake") / "master.log"
+    with MasterProcess.start(log_path=log) as master:
         yield master
 
 
 @pytest.fixture(scope="session")
-def segment_holder(mooncake_master: MasterProcess) -> Iterator[SegmentHolder]:
-    with SegmentHolder.start(mooncake_master.address, HOLDER_SIZE) as holder:
+def segment_holder(
+    mooncake_master: MasterProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SegmentHolder]:
+    log = tmp_path_factory.mktemp("mooncake") / "holder.log"
+    with SegmentHolder.start(mooncake_master.address, HOLDER_SIZE, log_path=log) as holder:
         yield holder
 
 
 @pytest.fixture
-def start_mooncake_master() -> Iterator[StartMaster]:
+def start_mooncake_master(tmp_path: Path) -> Iterator[StartMaster]:
+    """Start masters (logs under the test's tmp_path); all are stopped after the test."""
     require_mooncake()
     started: list[MasterProcess] = []
 
     def start(**options: Any) -> MasterProcess:
+        options.setdefault("log_path", tmp_path / f"master-{len(started)}.log")
         master = MasterProcess.start(**options)
         started.append(master)
         return master
@@ -101,11 +108,13 @@ def start_mooncake_master() -> Iterator[StartMaster]:
 
 
 @pytest.fixture
-def start_segment_holder() -> Iterator[StartHolder]:
+def start_segment_holder(tmp_path: Path) -> Iterator[StartHolder]:
+    """Start holders (logs under the test's tmp_path); all are stopped after the test."""
     require_mooncake()
     started: list[SegmentHolder] = []
 
     def start(master_address: str, size: int | str = HOLDER_SIZE, **options: Any) -> SegmentHolder:
+        options.setdefault("log_path", tmp_path / f"holder-{len(started)}.log")
         holder = SegmentHolder.start(master_address, size, **options)
         started.append(holder)
         return holder
