@@ -1,0 +1,177 @@
+"""Failures at the engine level: only affected keys fail, nothing partial is readable,
+no session, lease or counter leaks, and errors reach the caller."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from _engine_drive import LayerCheck, engine_for, read_object, save, unique_prefix
+from _engine_model import NUM_LAYERS, Caches, transfers
+from _engine_stores import BrokenEvent, FailingOpenStore, fail_at_call
+
+from hybridkv.transport.errors import Status
+from hybridkv.transport.events import CpuEvent
+from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.testing import StartMaster, mooncake_config
+
+BLOCKS = {0: [0, 1], 1: [2, 3], 2: [4]}
+
+
+def assert_clean(store: MemoryStore, engine_outstanding: int) -> None:
+    assert store.open_put_sessions() == set()
+    assert store.open_get_sessions() == set()
+    assert engine_outstanding == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
+
+
+def test_a_range_put_failing_mid_way_revokes_only_its_keys() -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=8, seed=11)
+    caches.fill()
+    saves = transfers(BLOCKS, prefix=unique_prefix())
+    broken = saves[1]  # group 0, logical block 1, local block 1
+    # Calls go layer by layer (0, 1, 2, 3): group 0's layer 0 lands, its layer 2 fails.
+    fail_at_call(store, "put_ranges", 3, [broken.key], Status.TRANSFER_FAILED)
+    with engine_for(store, caches, "layer") as engine:
+        result = save(engine, saves, "layer")
+        outstanding = engine.outstanding("save")
+    assert result.failed_blocks == {0: {1}}
+    assert result.failed_keys == [broken.key]
+    readable = store.batch_is_readable([t.key for t in saves])
+    assert readable == [t is not broken for t in saves]  # other group 0 block + groups 1, 2
+    for transfer in saves:
+        if transfer is not broken:
+            size = caches.layouts[transfer.group].object_size
+            assert read_object(store, transfer.key, size) == caches.block_bytes(
+                transfer.group, transfer.local_block
+            )
+    assert_clean(store, outstanding)
+
+
+def test_a_failed_commit_is_revoked_and_other_groups_still_commit() -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=8, seed=12)
+    caches.fill()
+    saves = transfers(BLOCKS, prefix=unique_prefix())
+    store.fail_next("put_session_end", [saves[2].key], Status.RPC_FAILED)  # group 1 block 0
+    with engine_for(store, caches, "layer") as engine:
+        result = save(engine, saves, "layer")
+        outstanding = engine.outstanding("save")
+    assert result.failed_blocks == {1: {2}}
+    assert store.batch_is_readable([t.key for t in saves]) == [True, True, False, True, True]
+    assert_clean(store, outstanding)
+
+
+def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
+    store = FailingOpenStore()
+    caches = Caches(num_blocks=8, seed=13)
+    caches.fill()
+    saves = transfers(BLOCKS, prefix=unique_prefix())
+    with engine_for(store, caches, "layer") as engine:
+        step = engine.begin_layerwise(saves=saves)
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        with pytest.raises(RuntimeError, match="crashed after opening"):
+            step.finish()
+        assert engine.poll_finished()[0] == {"req"}  # counters released anyway
+        outstanding = engine.outstanding("save")
+    assert store.batch_is_readable([t.key for t in saves]) == [False] * len(saves)
+    assert_clean(store, outstanding)
+
+
+@pytest.mark.parametrize("mode", ["layer", "group"])
+def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(mode: str) -> None:
+    store = MemoryStore()
+    prefix = unique_prefix()
+    source, target = Caches(num_blocks=8, seed=14), Caches(num_blocks=8, seed=15)
+    source.fill()
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, transfers(BLOCKS, prefix=prefix), "whole").ok
+    loads = transfers({0: [5, 6], 1: [7, 0], 2: [1]}, "reader", prefix)
+    broken = loads[3]  # group 1 (layers 1, 2, 3), local block 0
+    if mode == "layer":  # layers 0 and 1 arrive, layer 2 of the broken key fails
+        fail_at_call(store, "get_ranges", 3, [broken.key], Status.TRANSFER_FAILED)
+    else:
+        store.fail_next("batch_get_whole", [broken.key], Status.TRANSFER_FAILED)
+    remap = {(t.group, BLOCKS[t.group][t.block_index]): t.local_block for t in loads}
+    check = LayerCheck(source, target, remap)
+    with engine_for(store, target, mode) as reader:
+        step = reader.begin_layerwise(loads=loads)
+        seen = {}
+        for layer in range(NUM_LAYERS):
+            seen[layer] = step.wait_layer_loaded(layer)
+            check(layer, seen[layer])
+        result = step.finish()
+        assert reader.poll_finished()[1] == {"reader"}
+        outstanding = reader.outstanding("load")
+    # Reported no later than the first layer that needs the missing bytes (prefetch may
+    # report it earlier); every block not reported was checked complete at each layer.
+    first_failed_layer = 2 if mode == "layer" else 1
+    assert seen[first_failed_layer] == {1: {0}}
+    assert result.failed_blocks == {1: {0}}
+    assert_clean(store, outstanding)
+
+
+def test_a_full_store_fails_the_keys_that_do_not_fit_and_commits_the_rest() -> None:
+    caches = Caches(num_blocks=8, seed=16)
+    caches.fill()
+    sizes = {layout.group_id: layout.object_size for layout in caches.layouts}
+    store = MemoryStore(capacity=2 * sizes[0] + sizes[1])
+    saves = transfers(BLOCKS, prefix=unique_prefix())
+    with engine_for(store, caches, "layer") as engine:
+        result = save(engine, saves, "layer")
+        outstanding = engine.outstanding("save")
+    assert result.failed_blocks == {1: {3}, 2: {4}}
+    assert store.batch_is_readable([t.key for t in saves]) == [True, True, True, False, False]
+    assert_clean(store, outstanding)
+
+
+def test_a_device_error_reaches_the_caller_and_revokes_the_step() -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=8, seed=17)
+    saves = transfers(BLOCKS, prefix=unique_prefix())
+    with engine_for(store, caches, "layer") as engine:
+        step = engine.begin_layerwise(saves=saves)
+        step.save_layer(0, CpuEvent())
+        step.save_layer(1, BrokenEvent())
+        for layer in (2, 3):
+            step.save_layer(layer, CpuEvent())
+        with pytest.raises(RuntimeError, match="device lost"):
+            step.finish()
+        assert engine.backlog.outstanding == 0
+        outstanding = engine.outstanding("save")
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.save(saves, ready=BrokenEvent()).wait(timeout=10)
+        assert engine.outstanding("save") == 0
+    # Layer 1 was never written: group 1 (layers 1-3) must not be readable. Group 0 and 2
+    # objects were complete and committed.
+    assert store.batch_is_readable([t.key for t in saves]) == [True, True, False, False, True]
+    assert_clean(store, outstanding)
+
+
+def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
+    start_mooncake_master: StartMaster,
+) -> None:
+    master = start_mooncake_master()
+    prefix = unique_prefix()
+    source, target = Caches(num_blocks=8, seed=18), Caches(num_blocks=8, seed=19)
+    source.fill()
+    owner = MooncakeStore.connect(mooncake_config(master.address))
+    with engine_for(owner, source, "whole") as writer:
+        assert save(writer, transfers(BLOCKS, prefix=prefix), "whole").ok
+    reader_store = MooncakeStore.connect(mooncake_config(master.address))
+    try:
+        owner.close()  # the process holding the bytes is gone
+        loads = transfers({0: [5, 6], 1: [7, 0], 2: [1]}, "reader", prefix)
+        for mode in ("layer", "group"):
+            with engine_for(reader_store, target, mode) as reader:
+                step = reader.begin_layerwise(loads=loads)
+                failed = step.wait_layer_loaded(0)
+                assert failed[0] == {5, 6}
+                result = step.finish()
+                assert reader.outstanding("load") == 0
+            assert result.failed_blocks == {0: {5, 6}, 1: {7, 0}, 2: {1}}
+    finally:
+        reader_store.close()

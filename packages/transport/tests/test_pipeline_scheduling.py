@@ -1,0 +1,160 @@
+"""Backlog bound, prefetch depth, batch splitting, draining on error and on close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from _engine_drive import unique_prefix
+from _engine_stores import GateEvent, RecordingStore
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.transport.engine import TransferEngine
+from hybridkv.transport.events import CpuEvent
+from hybridkv.transport.layout import CacheEntry, GroupLayout
+from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.pipeline import PipelineOptions
+
+LAYERS = 12
+BLOCK = 256
+
+
+@pytest.fixture
+def memory() -> np.ndarray:
+    return np.arange(LAYERS * 16 * BLOCK, dtype=np.uint32).astype(np.uint8).reshape(LAYERS, 16, -1)
+
+
+def deep_layout(memory: np.ndarray) -> GroupLayout:
+    """One group over 12 layers, one cache per layer."""
+    return GroupLayout(
+        0,
+        [
+            CacheEntry(layer, "kv", memory[layer].ctypes.data, BLOCK, BLOCK, num_blocks=16)
+            for layer in range(LAYERS)
+        ],
+    )
+
+
+def saves(count: int, prefix: str) -> list[BlockTransfer]:
+    return [BlockTransfer(f"{prefix}-{i}", 0, i, prefix, i) for i in range(count)]
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="backlog must be >= 1"):
+        PipelineOptions(backlog=0)
+    with pytest.raises(ValueError, match="max_transfer_bytes must be >= 0"):
+        PipelineOptions(max_transfer_bytes=-1)
+    with pytest.raises(ValueError, match="granularity"):
+        PipelineOptions(granularity="block")  # type: ignore[arg-type]
+    assert PipelineOptions() == PipelineOptions(
+        backlog=8, prefetch_layers=2, max_transfer_blocks=0, max_transfer_bytes=0
+    )
+
+
+@given(
+    st.lists(st.integers(1, 100), max_size=40),
+    st.integers(0, 5),
+    st.integers(0, 300),
+)
+def test_split_covers_the_batch_in_order_within_limits(
+    sizes: list[int], max_blocks: int, max_bytes: int
+) -> None:
+    parts = PipelineOptions(max_transfer_blocks=max_blocks, max_transfer_bytes=max_bytes).split(
+        sizes
+    )
+    assert [i for part in parts for i in range(len(sizes))[part]] == list(range(len(sizes)))
+    for part in parts:
+        chosen = sizes[part]
+        assert chosen
+        if len(chosen) > 1:  # a single item over the byte limit still goes alone
+            assert not max_blocks or len(chosen) <= max_blocks
+            assert not max_bytes or sum(chosen) <= max_bytes
+
+
+def test_backlog_never_exceeds_its_bound(memory: np.ndarray) -> None:
+    store = RecordingStore(put_delay_s=0.01)
+    options = PipelineOptions(backlog=3)
+    with TransferEngine(store, [deep_layout(memory)], options) as engine:
+        step = engine.begin_layerwise(saves=saves(4, unique_prefix()))
+        for layer in range(LAYERS):
+            step.save_layer(layer, CpuEvent())
+            assert engine.backlog.outstanding <= 3
+            step.checkpoint()
+        assert step.finish().ok
+        assert engine.backlog.peak == 3  # reached, never passed
+        assert engine.backlog.outstanding == 0
+
+
+def test_a_save_never_reads_a_layer_before_its_event(memory: np.ndarray) -> None:
+    store = RecordingStore()
+    prefix = unique_prefix()
+    with TransferEngine(store, [deep_layout(memory)]) as engine:
+        step = engine.begin_layerwise(saves=saves(2, prefix))
+        gate = GateEvent()
+        step.save_layer(0, gate)
+        assert gate.waited.wait(timeout=10)
+        memory[0, :2] = 7  # the "kernel" finishes writing layer 0 only now
+        gate.fire()
+        for layer in range(1, LAYERS):
+            step.save_layer(layer, CpuEvent())
+        assert step.finish().ok
+    flat = np.zeros(BLOCK * LAYERS, dtype=np.uint8)
+    [status] = store.batch_get_whole([f"{prefix}-1"], [[flat.ctypes.data]], [[flat.size]])
+    assert status.ok
+    assert (flat[:BLOCK] == 7).all()
+
+
+def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> None:
+    store = RecordingStore()
+    prefix = unique_prefix()
+    layout = deep_layout(memory)
+    with TransferEngine(store, [layout]) as engine:
+        engine.save(saves(3, prefix)).wait(timeout=10)
+        options = PipelineOptions(prefetch_layers=2)
+        with TransferEngine(store, [layout], options) as reader:
+            step = reader.begin_layerwise(loads=saves(3, prefix))
+            deadline = time.monotonic() + 5
+            while store.count("get_ranges") < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            assert store.count("get_ranges") == 3  # layer 0 plus 2 ahead, no more
+            step.wait_layer_loaded(4)
+            time.sleep(0.1)
+            assert store.count("get_ranges") == 7  # up to layer 4 + 2
+            assert step.finish().ok
+            assert store.count("get_ranges") == LAYERS
+    offsets = [row[0] for row in store.read_offsets]
+    assert offsets == [layer * BLOCK for layer in range(LAYERS)]  # in layer order
+
+
+def test_large_batches_are_split_by_blocks_and_bytes(memory: np.ndarray) -> None:
+    store = RecordingStore()
+    options = PipelineOptions(max_transfer_blocks=4, max_transfer_bytes=3 * BLOCK)
+    with TransferEngine(store, [deep_layout(memory)], options) as engine:
+        step = engine.begin_layerwise(saves=saves(10, unique_prefix()))
+        for layer in range(LAYERS):
+            step.save_layer(layer, CpuEvent())
+        assert step.finish().ok
+    sizes = [count for name, count in store.calls if name == "put_ranges"]
+    assert sizes == [3, 3, 3, 1] * LAYERS
+
+
+def test_close_drains_every_queued_transfer_and_stops_its_threads(memory: np.ndarray) -> None:
+    store = RecordingStore(put_delay_s=0.005)
+    prefix = unique_prefix()
+    engine = TransferEngine(store, [deep_layout(memory)])
+    tickets = [engine.save(saves(16, f"{prefix}-{i}")) for i in range(5)]
+    step = engine.begin_layerwise(saves=saves(16, f"{prefix}-step"))
+    for layer in range(LAYERS - 1):  # the last layer never comes: the step is revoked
+        step.save_layer(layer, CpuEvent())
+    engine.close()
+    assert all(ticket.done for ticket in tickets)
+    assert all(ticket.wait().ok for ticket in tickets)
+    assert store.open_put_sessions() == set()
+    assert engine.outstanding("save") == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.save(saves(1, prefix))

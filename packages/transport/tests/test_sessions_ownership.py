@@ -1,0 +1,117 @@
+"""Ownership keyed by (request, group, block index); resume across chunked-prefill steps."""
+
+from __future__ import annotations
+
+import pytest
+from _engine_drive import MODES, engine_for, load, read_object, save, unique_prefix
+from _engine_model import NUM_LAYERS, Caches, transfers
+
+from hybridkv.transport.events import CpuEvent
+from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.store import Store
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_block_zero_of_each_group_is_its_own_object(store: Store, mode: str) -> None:
+    prefix = unique_prefix()
+    caches = Caches(num_blocks=4, seed=5)
+    caches.fill()
+    saves = transfers({0: [1], 1: [2], 2: [3]}, prefix=prefix)  # block index 0 everywhere
+    with engine_for(store, caches, mode) as engine:
+        assert save(engine, saves, mode).ok
+        owned = engine.owned_blocks("req")
+        assert sorted(owned) == [(0, 0), (1, 0), (2, 0)]
+        assert engine.poll_finished() == ({"req"}, set())
+    for transfer in saves:
+        layout = caches.layouts[transfer.group]
+        assert read_object(store, transfer.key, layout.object_size) == caches.block_bytes(
+            transfer.group, transfer.local_block
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_requests_sharing_a_key_write_it_once(mode: str) -> None:
+    store = MemoryStore()
+    prefix = unique_prefix()
+    caches = Caches(num_blocks=4, seed=6)
+    caches.fill()
+    first = transfers({0: [0]}, "a", prefix)
+    second = transfers({0: [1]}, "b", prefix)  # same key, other request, other local block
+    with engine_for(store, caches, mode) as engine:
+        result = save(engine, [*first, *second], mode)
+        assert engine.poll_finished()[0] == {"a", "b"}
+        assert engine.outstanding("save") == 0
+    assert result.bytes == caches.layouts[0].object_size
+    assert read_object(store, first[0].key, caches.layouts[0].object_size) == caches.block_bytes(
+        0, 0
+    )
+
+
+def test_a_rider_finishes_only_when_the_write_it_waits_for_settles() -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=4, seed=7)
+    caches.fill()
+    prefix = unique_prefix()
+    with engine_for(store, caches, "layer") as engine:
+        step = engine.begin_layerwise(saves=transfers({0: [0]}, "a", prefix))
+        riding = engine.save(transfers({0: [2]}, "b", prefix)).wait(timeout=10)
+        assert riding.bytes == 0  # b wrote nothing: a owns the write
+        assert engine.poll_finished() == (set(), set())  # and b waits for a's commit
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        assert step.finish().ok
+        assert engine.poll_finished()[0] == {"a", "b"}
+
+
+def test_an_owner_cannot_change_its_key() -> None:
+    caches = Caches(num_blocks=4)
+    with engine_for(MemoryStore(), caches, "whole") as engine:
+        engine.save([BlockTransfer("x", 0, 0, "r", 0)]).wait(timeout=10)
+        with pytest.raises(ValueError, match="already owns key 'x'"):
+            engine.save([BlockTransfer("y", 0, 1, "r", 0)])
+
+
+@pytest.mark.parametrize("mode", ["layer", "group"])
+def test_committed_keys_resume_with_current_local_ids_across_chunked_steps(
+    store: Store, mode: str
+) -> None:
+    prefix = unique_prefix()
+    caches = Caches(num_blocks=8, seed=8)
+    caches.fill()
+    with engine_for(store, caches, mode) as engine:
+        first = save(engine, transfers({0: [1, 2], 1: [3]}, "r", prefix), mode)
+        assert not first.skipped_keys
+        expected = {
+            (0, 0): caches.block_bytes(0, 1),
+            (0, 1): caches.block_bytes(0, 2),
+            (1, 0): caches.block_bytes(1, 3),
+        }
+        # Next chunk: no load spec, vLLM's block ids moved, one new block per group.
+        second_step = transfers({0: [5, 6, 7], 1: [4, 0]}, "r", prefix)
+        caches.fill()
+        second = save(engine, second_step, mode)
+        assert sorted(second.skipped_keys) == sorted(
+            t.key for t in second_step if (t.group, t.block_index) in expected
+        )
+        owned = engine.owned_blocks("r")
+        assert {place: block.local_block for place, block in owned.items()} == {
+            (0, 0): 5,
+            (0, 1): 6,
+            (0, 2): 7,
+            (1, 0): 4,
+            (1, 1): 0,
+        }
+        assert all(block.committed for block in owned.values())
+        expected[(0, 2)] = caches.block_bytes(0, 7)
+        expected[(1, 1)] = caches.block_bytes(1, 0)
+        target = Caches(num_blocks=8, seed=9)
+        places = sorted(expected)
+        loads = [
+            BlockTransfer(f"{prefix}@group:{group}@{index}", group, slot, "reader", index)
+            for slot, (group, index) in enumerate(places)
+        ]
+    with engine_for(store, target, mode) as reader:
+        assert load(reader, loads, mode).ok
+    for slot, place in enumerate(places):
+        assert target.block_bytes(place[0], slot) == expected[place]
