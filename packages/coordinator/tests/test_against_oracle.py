@@ -43,7 +43,9 @@ class Case:
 
 @st.composite
 def cases(draw: st.DrawFn, groups: st.SearchStrategy[list[GroupKind]] | None = None) -> Case:
-    kinds = draw(groups if groups is not None else st.lists(KINDS, min_size=1, max_size=4))
+    kinds: list[GroupKind] = draw(
+        groups if groups is not None else st.lists(KINDS, min_size=1, max_size=4)
+    )
     lcm = math.lcm(*(kind.block_size for kind in kinds))
     alignment = lcm * draw(st.sampled_from([1, 1, 2, 3]))
     sparse = any(isinstance(kind, SlidingWindow | RecurrentState) for kind in kinds)
@@ -90,9 +92,7 @@ def test_find_hit_matches_oracle(data: st.DataObject, case: Case, max_tokens: in
 
 @settings(max_examples=200, deadline=None)
 @given(st.data(), cases(st.just(DEEPSEEK_V4)), TOKENS)
-def test_deepseek_v4_shape_matches_oracle(
-    data: st.DataObject, case: Case, max_tokens: int
-) -> None:
+def test_deepseek_v4_shape_matches_oracle(data: st.DataObject, case: Case, max_tokens: int) -> None:
     columns = data.draw(readable_sets(case, max_tokens))
     hit = case.coordinator().find_hit(max_tokens, columns)
     assert (hit.tokens, hit.load_masks) == oracle.find_hit(

@@ -137,7 +137,8 @@ class Coordinator:
         self._retention = retention_interval
         self._eagle = tuple(int(use_eagle and group.drops_eagle_block) for group in groups)
         self._eagle_tokens = max(
-            (group.block_size for group, extra in zip(groups, self._eagle) if extra), default=0
+            (group.block_size for group, extra in zip(groups, self._eagle, strict=True) if extra),
+            default=0,
         )
 
     @property
@@ -241,11 +242,9 @@ class Coordinator:
         if callable(readable):
             return [_CallableColumn(readable, group) for group in range(len(self._groups))]
         if len(readable) != len(self._groups):
-            raise ValueError(
-                f"readable has {len(readable)} entries for {len(self._groups)} groups"
-            )
+            raise ValueError(f"readable has {len(readable)} entries for {len(self._groups)} groups")
         columns: list[_Column] = []
-        for group, (kind, given) in enumerate(zip(self._groups, readable)):
+        for group, (kind, given) in enumerate(zip(self._groups, readable, strict=True)):
             length = top // kind.block_size + self._eagle[group] if top else 0
             values = list(islice(given, length))
             # Counted in C: anything neither True- nor False-equal (None, "x") is refused.
@@ -269,14 +268,16 @@ class Coordinator:
 
         Runs are merged before writing: reaches only move right as boundaries grow.
         """
-        marks = [False] * (tokens // self._groups[group].block_size)
+        kind = self._groups[group]
+        first_needed, block_size, extra = kind.first_needed, kind.block_size, self._eagle[group]
+        marks = [False] * (tokens // block_size)
         run_first = run_stop = 0
-        for tokens in boundaries:
-            first, stop = self._reach(group, tokens)
+        for boundary in boundaries:  # the hot loop of lookups: `_reach` inlined
+            first = first_needed(boundary)
             if first > run_stop:
                 marks[run_first:run_stop] = [True] * (run_stop - run_first)
                 run_first = first
-            run_stop = stop
+            run_stop = boundary // block_size + extra
         marks[run_first:run_stop] = [True] * (run_stop - run_first)
         return tuple(marks)
 

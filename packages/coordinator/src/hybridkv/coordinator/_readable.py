@@ -30,10 +30,6 @@ def scatter_readable(masks: Masks, answers: Sequence[bool]) -> Masks:
     """
     expected = sum(sum(mask) for mask in masks)
     if len(answers) != expected:
-        raise ValueError(
-            f"scatter_readable: {len(answers)} answers for {expected} marked blocks"
-        )
+        raise ValueError(f"scatter_readable: {len(answers)} answers for {expected} marked blocks")
     flat = iter(answers)
-    return tuple(
-        tuple(bool(next(flat)) if marked else False for marked in mask) for mask in masks
-    )
+    return tuple(tuple(bool(next(flat)) if marked else False for marked in mask) for mask in masks)

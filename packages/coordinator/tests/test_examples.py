@@ -1,0 +1,177 @@
+"""Worked examples with hand-checked numbers, and the errors bad input gets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hybridkv.coordinator import (
+    ChunkedLocal,
+    Coordinator,
+    FullAttention,
+    RecurrentState,
+    SlidingWindow,
+)
+
+T, F = True, False
+
+
+def blocks(mask: tuple[bool, ...]) -> list[int]:
+    return [index for index, marked in enumerate(mask) if marked]
+
+
+def test_each_kind_needs_what_the_issue_says() -> None:
+    coord = Coordinator(
+        [
+            FullAttention(16),
+            SlidingWindow(16, window=40),  # ceil(39 / 16) = 3 blocks
+            ChunkedLocal(16, chunk=64),
+            RecurrentState(16),
+        ]
+    )
+    full, window, chunked, state = coord.load_mask(96)
+    assert blocks(full) == [0, 1, 2, 3, 4, 5]
+    assert blocks(window) == [3, 4, 5]
+    assert blocks(chunked) == [4, 5]  # tokens 64..95
+    assert blocks(state) == [5]
+    assert blocks(coord.load_mask(128)[2]) == []  # a chunk boundary needs nothing
+    assert blocks(coord.load_mask(32)[1]) == [0, 1]  # fewer when T is small
+    assert coord.load_mask(0) == ((), (), (), ())
+
+
+def test_chunk_not_a_multiple_of_the_block_needs_the_block_holding_its_start() -> None:
+    coord = Coordinator([ChunkedLocal(16, chunk=40)])
+    assert blocks(coord.load_mask(64)[0]) == [2, 3]  # chunk starts at token 40, block 2
+
+
+def test_default_alignment_is_the_lcm_of_block_sizes() -> None:
+    assert Coordinator([FullAttention(16), SlidingWindow(32, 100)]).alignment == 32
+    assert Coordinator([FullAttention(48), RecurrentState(64)]).alignment == 192
+    assert Coordinator([FullAttention(16), ChunkedLocal(16, chunk=8192)]).alignment == 16
+
+
+def test_hit_stops_at_the_first_boundary_some_group_cannot_serve() -> None:
+    coord = Coordinator([FullAttention(16), SlidingWindow(16, window=33), RecurrentState(64)])
+    full = [T] * 20
+    window = [T] * 20
+    state = [T, F, T, T, F]  # no snapshot at tokens 128 and 320
+    assert coord.find_hit(320, [full, window, state]).tokens == 256
+    window[14] = F  # boundary 256 needs window blocks 14, 15
+    assert coord.find_hit(320, [full, window, state]).tokens == 192
+    full[3] = F
+    assert coord.find_hit(320, [full, window, state]).tokens == 0
+    assert coord.find_hit(320, lambda group, block: True).tokens == 320
+
+
+def test_max_tokens_caps_the_hit() -> None:
+    coord = Coordinator([FullAttention(16)])
+    assert coord.find_hit(63, [[T] * 10]).tokens == 48
+    assert coord.find_hit(64, [[T] * 10]).tokens == 64
+    assert coord.find_hit(0, [[T] * 10]) == coord.find_hit(0, [[]])
+
+
+def test_deepseek_v4_shape() -> None:
+    """Full attention 16 tokens/block, compressed KV 32 tokens/block, window 16."""
+    coord = Coordinator([FullAttention(16), FullAttention(32), SlidingWindow(16, window=16)])
+    assert coord.alignment == 32
+    full = [T] * 8
+    compressed = [T, T, T, F]
+    window = [F, F, F, F, F, T, F, T]  # window 16 needs one block: the one before T
+    hit = coord.find_hit(127, [full, compressed, window])
+    assert hit.tokens == 96
+    assert [blocks(mask) for mask in hit.load_masks] == [[0, 1, 2, 3, 4, 5], [0, 1, 2], [5]]
+
+
+def test_eagle_needs_the_block_past_the_hit_and_loads_only_up_to_it() -> None:
+    """vLLM drops the last matched block for EAGLE: a run of 4 readable blocks gives 48
+    tokens, not 64, and a window group must have its block at the boundary too."""
+    coord = Coordinator([FullAttention(16), SlidingWindow(16, window=17)], use_eagle=True)
+    hit = coord.find_hit(1000, [[T] * 4, [F, F, T, T]])
+    assert hit.tokens == 48
+    assert [blocks(mask) for mask in hit.load_masks] == [[0, 1, 2], [2]]
+    # The dropped block must lie under the cap: 64 tokens cap -> boundary 48 at most.
+    assert coord.find_hit(64, [[T] * 8, [T] * 8]).tokens == 48
+    assert coord.max_boundary(64) == 48
+
+
+def test_eagle_with_coarse_alignment_moves_back_a_whole_step() -> None:
+    coord = Coordinator([FullAttention(16), RecurrentState(64)], use_eagle=True)
+    assert coord.find_hit(1000, [[T] * 8, [T] * 2]).tokens == 64  # block 4 is readable
+    assert coord.find_hit(1000, [[T] * 4, [T] * 2]).tokens == 0  # 64 matched, dropped
+    # Recurrent state has no draft layers: it needs nothing past the boundary.
+    assert coord.find_hit(1000, [[T] * 9, [T, F]]).tokens == 64
+    assert coord.find_hit(1000, [[T] * 9, [F, T]]).tokens == 128
+
+
+def test_store_mask_keeps_state_snapshots_only_at_aligned_boundaries() -> None:
+    coord = Coordinator(
+        [FullAttention(16), RecurrentState(16), SlidingWindow(16, 17)], alignment=64
+    )
+    full, state, window = coord.store_mask(200)
+    assert blocks(full) == list(range(12))
+    assert blocks(state) == [3, 7, 11]
+    assert blocks(window) == [3, 7, 11]
+    assert coord.lookup_mask(200) == (full, state, window)
+
+
+def test_retention_thins_snapshots_but_keeps_the_replay_boundaries() -> None:
+    coord = Coordinator([FullAttention(64), RecurrentState(64)], retention_interval=4)
+    full, state = coord.store_mask(64 * 10 + 5)
+    assert blocks(full) == list(range(10))
+    assert blocks(state) == [3, 7, 9]  # boundaries 256, 512 and the tail 640
+    _, state = coord.store_mask(64 * 10)
+    assert blocks(state) == [3, 7, 8, 9]  # resend caps at 639 -> boundary 576 too
+    _, asked = coord.lookup_mask(64 * 9 + 3)
+    assert blocks(asked) == [3, 7, 8]
+
+
+def test_lookup_asks_sparse_groups_only_for_what_a_boundary_could_need() -> None:
+    coord = Coordinator([FullAttention(64), SlidingWindow(16, window=17), RecurrentState(16)])
+    full, window, state = coord.lookup_mask(256)
+    assert blocks(full) == [0, 1, 2, 3]
+    assert blocks(window) == [3, 7, 11, 15]
+    assert blocks(state) == [3, 7, 11, 15]
+
+
+class NotAKind:
+    block_size = 16
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: FullAttention(0), "block_size must be a positive int"),
+        (lambda: FullAttention(True), "block_size must be a positive int"),
+        (lambda: SlidingWindow(16, window=0), "window must be a positive int"),
+        (lambda: ChunkedLocal(16, chunk=-64), "chunk must be a positive int"),
+        (lambda: RecurrentState(16.0), "block_size must be a positive int"),  # type: ignore[arg-type]
+        (lambda: Coordinator([]), "at least one"),
+        (lambda: Coordinator([NotAKind()]), r"groups\[0\]: unknown group kind NotAKind"),  # type: ignore[list-item]
+        (
+            lambda: Coordinator([FullAttention(16), FullAttention(64)], alignment=32),
+            r"alignment 32 is not a multiple of groups\[1\].block_size 64",
+        ),
+        (lambda: Coordinator([FullAttention(16)], alignment=0), "alignment must be a positive"),
+        (lambda: Coordinator([FullAttention(16)], use_eagle=1), "use_eagle must be a bool"),  # type: ignore[arg-type]
+        (lambda: Coordinator([RecurrentState(16)], retention_interval=0), "retention_interval"),
+        (lambda: Coordinator([FullAttention(16)], retention_interval=2), "has no effect"),
+    ],
+)
+def test_bad_configuration_is_refused_by_name(build: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_bad_calls_are_refused_by_name() -> None:
+    coord = Coordinator([FullAttention(16), RecurrentState(64)])
+    with pytest.raises(ValueError, match="tokens 80 is not a multiple of the alignment 64"):
+        coord.load_mask(80)
+    with pytest.raises(ValueError, match="max_tokens must be a non-negative int"):
+        coord.find_hit(-1, [[], []])
+    with pytest.raises(ValueError, match="max_tokens must be a non-negative int"):
+        coord.lookup_mask(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="readable has 1 entries for 2 groups"):
+        coord.find_hit(128, [[T] * 8])
+    with pytest.raises(ValueError, match=r"readable\[1\] must hold bools"):
+        coord.find_hit(128, [[T] * 8, [None, None]])  # type: ignore[list-item]
