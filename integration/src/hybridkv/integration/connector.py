@@ -174,17 +174,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pool.files.append(path)
 
     def _strategy(self, engine: TransferEngine) -> TransferStrategy:
-        if not self.config.use_layerwise:
-            return WholeBlocks(engine)
-        try:
-            from hybridkv.integration import layerwise
-        except ImportError as exc:
-            raise ValueError(
-                "use_layerwise=true needs hybridkv.integration.layerwise, which this "
-                "installation lacks"
-            ) from exc
-        strategy: TransferStrategy = layerwise.make_strategy(engine, self.keys, self.config)
-        return strategy
+        if self.config.use_layerwise:
+            # hybridkv.integration.layerwise plugs in here through TransferStrategy.
+            raise ValueError("use_layerwise=true is not wired into HybridKVConnector yet")
+        return WholeBlocks(engine)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # First hook of a step, before vLLM zeroes or reuses any block: settle saves.

@@ -1,0 +1,98 @@
+"""Shared builders: real vLLM spec objects and request/output stand-ins for the scheduler."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+
+
+def _require(module: str) -> None:
+    try:
+        __import__(module)
+    except ImportError as exc:
+        if os.environ.get("HYBRIDKV_REQUIRE_REAL") == "1":
+            raise
+        pytest.skip(f"{module} is not installed: {exc}")
+
+
+@pytest.fixture
+def vllm_specs() -> Any:
+    _require("vllm")
+    from vllm.v1 import kv_cache_interface
+
+    return kv_cache_interface
+
+
+def attention(specs: Any, block_size: int = 32, heads: int = 2, window: int | None = None) -> Any:
+    import torch
+
+    common = dict(block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.float32)
+    if window is None:
+        return specs.FullAttentionSpec(**common)
+    return specs.SlidingWindowSpec(sliding_window=window, **common)
+
+
+def mamba(specs: Any, block_size: int = 32, mode: str = "align") -> Any:
+    import torch
+
+    return specs.MambaSpec(
+        block_size=block_size,
+        shapes=((2, 128),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+    )
+
+
+def groups(specs: Any, *kinds: tuple[list[str], Any]) -> list[Any]:
+    return [specs.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for names, spec in kinds]
+
+
+def request(request_id: str, tokens: list[int], **extra: Any) -> SimpleNamespace:
+    """The fields of vllm.v1.request.Request the scheduler side reads."""
+    fields: dict[str, Any] = dict(
+        request_id=request_id,
+        num_tokens=len(tokens),
+        num_prompt_tokens=len(tokens),
+        all_token_ids=tokens,
+        prompt_embeds=None,
+        lora_request=None,
+        cache_salt=None,
+        mm_features=[],
+    )
+    fields.update(extra)
+    return SimpleNamespace(**fields)
+
+
+def scheduler_output(
+    new: list[tuple[str, tuple[list[int], ...], int, int]] = (),  # type: ignore[assignment]
+    cached: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
+    tables: dict[str, tuple[list[int], ...]] | None = None,
+    finished: set[str] | None = None,
+) -> SimpleNamespace:
+    """new: (id, block_ids, computed, scheduled); cached: (id, computed, scheduled)."""
+    scheduled = {rid: count for rid, _, _, count in new}
+    scheduled.update({rid: count for rid, _, count in cached})
+    state = None
+    if tables is not None:
+        state = SimpleNamespace(get_block_ids=lambda rid: tables.get(rid))
+    return SimpleNamespace(
+        finished_req_ids=finished or set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=rid, block_ids=ids, num_computed_tokens=computed)
+            for rid, ids, computed, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid for rid, _, _ in cached],
+            resumed_req_ids=set(),
+            new_block_ids=[None for _ in cached],
+            num_computed_tokens=[computed for _, computed, _ in cached],
+        ),
+        num_scheduled_tokens=scheduled,
+        kv_connector_block_state=state,
+    )

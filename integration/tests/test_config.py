@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridkv.integration.config import (
+    ConnectorConfig,
+    mooncake_config_from_env,
+    parse_extra_config,
+)
+
+
+def test_defaults() -> None:
+    config = parse_extra_config(None)
+    assert config == ConnectorConfig()
+    assert (config.use_layerwise, config.layerwise_prefetch_layers) == (False, 2)
+    assert (config.layerwise_max_transfer_blocks, config.layerwise_max_transfer_bytes) == (0, 0)
+    assert (config.load_async, config.lookup_rpc_port, config.store) == (False, 0, "mooncake")
+
+
+def test_every_key_is_accepted() -> None:
+    config = parse_extra_config(
+        {
+            "use_layerwise": True,
+            "layerwise_prefetch_layers": 3,
+            "layerwise_max_transfer_blocks": 16,
+            "layerwise_max_transfer_bytes": 1 << 20,
+            "load_async": True,
+            "lookup_rpc_port": 5555,
+            "lookup_timeout_ms": 200,
+            "discard_partial_chunks": True,
+            "namespace": "tenant-a",
+            "backend": "mooncake",
+            "store": "memory",
+        }
+    )
+    assert config.layerwise_prefetch_layers == 3
+    assert config.namespace == "tenant-a"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"use_layerwise": True, "typo_key": 1}, "typo_key"),
+        ({"lookup_rpc_port": 70000}, "lookup_rpc_port"),
+        ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
+        ({"layerwise_prefetch_layers": 0}, "layerwise_prefetch_layers"),
+        ({"layerwise_max_transfer_bytes": -1}, "layerwise_max_transfer_bytes"),
+        ({"load_async": "yes"}, "load_async"),
+        ({"backend": "memcache"}, "backend"),
+        ({"store": "redis"}, "store"),
+        ({"discard_partial_chunks": False}, "discard_partial_chunks"),
+        ({"namespace": "a@b"}, "namespace"),
+    ],
+)
+def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        parse_extra_config(extra)
+
+
+def test_mooncake_json(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps(
+            {
+                "master_server_address": "127.0.0.1:50051",
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": "64MB",
+                "local_buffer_size": 1 << 20,
+            }
+        )
+    )
+    config = mooncake_config_from_env({"MOONCAKE_CONFIG_PATH": str(path)})
+    assert config is not None
+    assert config.global_segment_size == 64 << 20
+    assert mooncake_config_from_env({}) is None
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:1", "bogus": 1}))
+    with pytest.raises(ValueError, match="bogus"):
+        mooncake_config_from_env({"MOONCAKE_CONFIG_PATH": str(path)})

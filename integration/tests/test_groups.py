@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import attention, groups, mamba
+
+from hybridkv.coordinator import FullAttention, RecurrentState, SlidingWindow
+from hybridkv.integration.groups import HeadPlan, ModelShape, plan_groups
+
+SHAPE = ModelShape(tp_size=1, total_kv_heads=2)
+
+
+def test_translates_each_spec_kind(vllm_specs: Any) -> None:
+    config = groups(
+        vllm_specs,
+        (["l.0", "l.2"], attention(vllm_specs, window=64)),
+        (["l.3", "l.1"], attention(vllm_specs)),
+        (["m.4"], mamba(vllm_specs)),
+    )
+    plan = plan_groups(config, [0, 1, 2], SHAPE)
+    assert [g.kind for g in plan.groups] == [
+        SlidingWindow(32, 64),
+        FullAttention(32),
+        RecurrentState(32),
+    ]
+    assert plan.groups[1].layer_names == ("l.1", "l.3")
+    assert plan.hybrid
+    assert plan.hash_block_size == 32
+    assert plan.alignment == 32
+
+
+def test_only_prefix_cacheable_groups_are_planned(vllm_specs: Any) -> None:
+    config = groups(vllm_specs, (["a"], attention(vllm_specs)), (["b"], attention(vllm_specs)))
+    plan = plan_groups(config, [1], SHAPE)
+    assert [g.vllm_group_id for g in plan.groups] == [1]
+    assert not plan.hybrid
+
+
+def test_mamba_needs_align_mode(vllm_specs: Any) -> None:
+    config = groups(vllm_specs, (["m"], mamba(vllm_specs, mode="none")))
+    with pytest.raises(ValueError, match=r"group 0.*mamba_cache_mode='align'"):
+        plan_groups(config, [0], SHAPE)
+
+
+def test_unknown_spec_is_refused(vllm_specs: Any) -> None:
+    class Strange:
+        block_size = 16
+
+    config = groups(vllm_specs, (["x"], attention(vllm_specs)))
+    config[0].kv_cache_spec = Strange()
+    with pytest.raises(ValueError, match="Strange"):
+        plan_groups(config, [0], SHAPE)
+
+
+def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
+    def digest(tp: int, block: int, heads: int, namespace: str = "") -> str:
+        config = groups(vllm_specs, (["a"], attention(vllm_specs, block, heads)))
+        return plan_groups(config, [0], ModelShape(tp, 4), namespace).digest
+
+    base = digest(1, 32, 2)
+    assert base == digest(1, 32, 2)
+    assert (
+        len({base, digest(2, 32, 2), digest(1, 64, 2), digest(1, 32, 1), digest(1, 32, 2, "n")})
+        == 5
+    )
+
+
+@pytest.mark.parametrize(
+    ("tp", "heads", "storing", "head_of", "writers"),
+    [
+        (4, 2, 2, [0, 0, 1, 1], [0, 2]),
+        (4, 8, 4, [0, 1, 2, 3], [0, 1, 2, 3]),
+        (2, 1, 1, [0, 0], [0]),
+        (1, 4, 1, [0], [0]),
+    ],
+)
+def test_storing_heads_under_tp(
+    vllm_specs: Any, tp: int, heads: int, storing: int, head_of: list[int], writers: list[int]
+) -> None:
+    config = groups(vllm_specs, (["a"], attention(vllm_specs, heads=max(1, heads // tp))))
+    plan = plan_groups(config, [0], ModelShape(tp, heads)).groups[0].heads
+    assert plan.storing == storing
+    assert [plan.head_of(rank) for rank in range(tp)] == head_of
+    assert [rank for rank in range(tp) if plan.writes(rank)] == writers
+
+
+def test_mamba_state_is_sharded_unless_replicated(vllm_specs: Any) -> None:
+    config = groups(vllm_specs, (["m"], mamba(vllm_specs)))
+    assert plan_groups(config, [0], ModelShape(4, 2)).groups[0].heads == HeadPlan(4, 4)

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import pytest
+import zmq
+
+from hybridkv.integration.lookup import LookupClient, LookupServer
+
+
+def _readable(keys: Sequence[str]) -> list[bool]:
+    if "boom" in keys:
+        raise RuntimeError("store exploded")
+    return [key.startswith("yes") for key in keys]
+
+
+@pytest.fixture
+def server() -> LookupServer:
+    server = LookupServer(_readable)
+    yield server
+    server.close()
+
+
+def test_answers_batched_query(server: LookupServer) -> None:
+    client = LookupClient(server.address, timeout_ms=2000)
+    assert client.query(["yes-1", "no-2", "yes-3"]) == [True, False, True]
+    assert client.query([]) == []
+    client.close()
+
+
+def test_malformed_request_gets_error_and_server_survives(server: LookupServer) -> None:
+    context = zmq.Context()
+    raw = context.socket(zmq.REQ)
+    raw.setsockopt(zmq.RCVTIMEO, 2000)
+    raw.connect(server.address)
+    for garbage in (b"\x00\xff not msgpack", b"\x81\xa4type\xa5other", b""):
+        raw.send(garbage)
+        reply = raw.recv()
+        assert b"error" in reply
+        assert b"malformed" in reply
+    raw.close(0)
+    context.term()
+    client = LookupClient(server.address, timeout_ms=2000)
+    assert client.query(["yes"]) == [True]
+    client.close()
+
+
+def test_store_failure_is_an_error_reply_not_a_crash(
+    server: LookupServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = LookupClient(server.address, timeout_ms=2000)
+    with caplog.at_level(logging.WARNING):
+        assert client.query(["boom"]) is None
+    assert "store exploded" in caplog.text
+    assert client.query(["yes"]) == [True]
+    client.close()
+
+
+def test_timeout_degrades_to_unknown(caplog: pytest.LogCaptureFixture) -> None:
+    context = zmq.Context()
+    silent = context.socket(zmq.REP)  # accepts, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    client = LookupClient(f"tcp://127.0.0.1:{port}", timeout_ms=100)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        assert client.query(["yes"]) is None
+        assert client.query(["yes"]) is None  # a fresh socket after the timeout
+    assert time.monotonic() - started < 2.0
+    assert "timed out" in caplog.text
+    client.close()
+    silent.close(0)
+    context.term()
+
+
+def test_unpublished_server_is_a_miss() -> None:
+    client = LookupClient(lambda: None, timeout_ms=100)
+    assert client.query(["yes"]) is None
+    client.close()

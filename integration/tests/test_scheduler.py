@@ -1,0 +1,124 @@
+"""Scheduler-side decisions against synthetic vLLM configs and a dict-backed pool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from conftest import attention, groups, mamba, request, scheduler_output
+
+from hybridkv.integration.config import ConnectorConfig
+from hybridkv.integration.groups import ModelShape, plan_groups
+from hybridkv.integration.keying import KeySpace, RequestHashes
+from hybridkv.integration.scheduler import SchedulerSide
+
+TOKENS = list(range(100, 100 + 200))  # 6 full blocks of 32, plus 8 tokens
+
+
+class Pool:
+    """Readability from a set of keys; counts the batched queries it answers."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.queries = 0
+        self.down = False
+
+    def query(self, keys: Sequence[str]) -> list[bool] | None:
+        self.queries += 1
+        return None if self.down else [key in self.keys for key in keys]
+
+
+def _side(specs: Any, kinds: Any, shape: ModelShape, **config: Any) -> tuple[SchedulerSide, Pool]:
+    plan = plan_groups(groups(specs, *kinds), list(range(len(kinds))), shape)
+    pool = Pool()
+    return SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(**config), pool.query), pool
+
+
+def _store(
+    side: SchedulerSide, pool: Pool, tokens: list[int], heads: Sequence[int], upto: int
+) -> None:
+    """Put every group's blocks of the first `upto` tokens for `heads`."""
+    hashes = RequestHashes(side.plan, "", None)
+    hashes.cover(tokens, upto)
+    for group, plan in enumerate(side.plan.groups):
+        blocks = hashes.for_group(plan.block_size)[: upto // plan.block_size]
+        pool.keys.update(side.keys.keys(group, blocks, heads))
+
+
+def test_hit_needs_every_storing_head_tp4_two_kv_heads(vllm_specs: Any) -> None:
+    shape = ModelShape(tp_size=4, total_kv_heads=2)
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape)
+    _store(side, pool, TOKENS, [0], 192)  # only head 0's objects: rank 2 and 3 would miss
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
+    _store(side, pool, TOKENS, [1], 192)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (192, False)
+    assert pool.queries == 2  # one batched query per lookup
+
+
+def test_hit_is_capped_below_the_prompt_length(vllm_specs: Any) -> None:
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    tokens = TOKENS[:192]
+    _store(side, pool, tokens, [0], 192)
+    # 192 tokens are all stored, but the last token must be computed: 160 at most.
+    assert side.num_new_matched_tokens(request("r", tokens), 0) == (160, False)
+
+
+def test_partial_prefix_and_local_hit(vllm_specs: Any) -> None:
+    side, pool = _side(
+        vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), load_async=True
+    )
+    _store(side, pool, TOKENS, [0], 96)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, True)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 64) == (32, True)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 96) == (0, False)
+
+
+def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 192)
+    pool.down = True
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
+
+
+def test_salt_and_lora_change_the_keys(vllm_specs: Any) -> None:
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 192)
+    assert side.num_new_matched_tokens(request("a", TOKENS, cache_salt="s"), 0) == (0, False)
+
+
+def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: Any) -> None:
+    kinds = [
+        (["w"], attention(vllm_specs, window=64)),
+        (["f"], attention(vllm_specs)),
+        (["m"], mamba(vllm_specs)),
+    ]
+    side, pool = _side(vllm_specs, kinds, ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 192)
+    req = request("r", TOKENS)
+    assert side.num_new_matched_tokens(req, 0) == (192, False)
+    tables = ([0, 0, 0, 0, 11, 12, 13], [21, 22, 23, 24, 25, 26, 27], [0, 0, 0, 0, 0, 36, 37])
+    side.after_alloc(req, tables, 192)
+    meta = side.build_meta(scheduler_output(new=[("r", tables, 192, 8)], tables={"r": tables}))
+    (transfers,) = meta.requests
+    loads = {(ref.group, ref.index, ref.block_id) for ref in transfers.loads}
+    # window 64 = 2 blocks before 192 (plus none other); all 6 full blocks; the last state.
+    assert loads == {(0, 4, 11), (0, 5, 12)} | {(1, i, 21 + i) for i in range(6)} | {(2, 5, 36)}
+    assert transfers.saves == []  # 200 tokens complete no new block
+
+
+def test_saves_complete_blocks_once_and_skip_null_blocks(vllm_specs: Any) -> None:
+    kinds = [(["w"], attention(vllm_specs, window=64)), (["m"], mamba(vllm_specs))]
+    side, _ = _side(vllm_specs, kinds, ModelShape(1, 2))
+    req = request("r", TOKENS)
+    side.after_alloc(req, ([1, 2], [0, 3]), 0)
+    step1 = ([1, 2], [0, 3])
+    meta = side.build_meta(scheduler_output(new=[("r", step1, 0, 64)], tables={"r": step1}))
+    saved = {(ref.group, ref.index, ref.block_id) for ref in meta.requests[0].saves}
+    assert saved == {(0, 0, 1), (0, 1, 2), (1, 1, 3)}  # Mamba block 0 is null: no state
+    step2 = ([1, 2, 5, 6], [0, 3, 0, 7])
+    meta = side.build_meta(scheduler_output(cached=[("r", 64, 64)], tables={"r": step2}))
+    saved = {(ref.group, ref.index, ref.block_id) for ref in meta.requests[0].saves}
+    assert saved == {(0, 2, 5), (0, 3, 6), (1, 3, 7)}
+    # Decode past the prompt saves nothing more.
+    meta = side.build_meta(scheduler_output(cached=[("r", 200, 1)], tables={"r": step2}))
+    assert meta.requests == []

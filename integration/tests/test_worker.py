@@ -1,0 +1,108 @@
+"""Worker side over real CPU tensors, a real TransferEngine and the in-memory store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from conftest import attention, groups, mamba
+
+from hybridkv.integration.groups import ModelShape, plan_groups
+from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
+from hybridkv.integration.worker import WholeBlocks, WorkerSide, build_layouts, tensor_entries
+from hybridkv.transport import CpuEvent, MemoryStore, Status, TransferEngine
+
+torch = pytest.importorskip("torch")
+NUM_BLOCKS = 8
+
+
+def _caches() -> dict[str, Any]:
+    return {
+        "model.layers.0.attn": torch.randn(NUM_BLOCKS, 2, 32, 128),
+        "model.layers.1.conv": torch.zeros(NUM_BLOCKS, 1, 1, 4096, dtype=torch.int8)[..., :1024],
+    }
+
+
+@pytest.fixture
+def rig(vllm_specs: Any) -> Any:
+    config = groups(
+        vllm_specs,
+        (["model.layers.0.attn"], attention(vllm_specs)),
+        (["model.layers.1.conv"], mamba(vllm_specs)),
+    )
+    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(1, 2)), "tiny")
+    caches = _caches()
+    caches["model.layers.1.conv"].random_(-100, 100)
+    layouts = build_layouts(
+        keys, caches, {"model.layers.0.attn": 0, "model.layers.1.conv": 1}, NUM_BLOCKS
+    )
+    store = MemoryStore()
+    engine = TransferEngine(store, layouts)
+    worker = WorkerSide(keys, engine, WholeBlocks(engine), 0, CpuEvent)
+    yield worker, caches, store
+    worker.close()
+
+
+def test_layout_entries_from_tensors() -> None:
+    caches = _caches()
+    (attn,) = tensor_entries(0, "a", caches["model.layers.0.attn"], NUM_BLOCKS)
+    assert (attn.block_bytes, attn.block_stride) == (2 * 32 * 128 * 4, 2 * 32 * 128 * 4)
+    (conv,) = tensor_entries(1, "c", caches["model.layers.1.conv"], NUM_BLOCKS)
+    assert (conv.block_bytes, conv.block_stride) == (1024, 4096)  # padded state page
+    split = tensor_entries(2, "kv", torch.zeros(2, NUM_BLOCKS, 32, 2, 64), NUM_BLOCKS)
+    assert [e.name for e in split] == ["kv#k", "kv#v"]
+    with pytest.raises(ValueError, match="num_blocks first"):
+        tensor_entries(3, "bad", torch.zeros(3, 5), NUM_BLOCKS)
+
+
+def _refs(pairs: list[tuple[int, int, int]]) -> list[BlockRef]:
+    return [BlockRef(g, i, b, bytes([g, i]) * 16) for g, i, b in pairs]
+
+
+def test_save_then_load_round_trips_bytes(rig: Any) -> None:
+    worker, caches, _ = rig
+    attn, conv = caches["model.layers.0.attn"], caches["model.layers.1.conv"]
+    saves = _refs([(0, 0, 1), (0, 1, 2), (1, 1, 3)])
+    worker.save(HybridKVMetadata([RequestTransfers(request_id="a", saves=saves)]))
+    worker.barrier()
+    expected = (attn[1].clone(), attn[2].clone(), conv[3].clone())
+    loads = _refs([(0, 0, 5), (0, 1, 6), (1, 1, 7)])
+    worker.start_load(HybridKVMetadata([RequestTransfers(request_id="b", loads=loads)]))
+    assert worker.take_load_errors() == set()
+    assert torch.equal(attn[5], expected[0])
+    assert torch.equal(attn[6], expected[1])
+    assert torch.equal(conv[7], expected[2])
+    stats = worker.counters.take()
+    assert stats is not None
+    assert stats.data["loaded_blocks"] == 3
+    assert stats.data["saved_blocks"] == 3
+
+
+def test_failed_load_reports_local_blocks(rig: Any) -> None:
+    worker, _, store = rig
+    worker.save(
+        HybridKVMetadata([RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (0, 1, 2)]))])
+    )
+    worker.barrier()
+    store.fail_next("batch_get_whole", lambda key: True, Status.TRANSFER_FAILED)
+    loads = _refs([(0, 0, 5), (0, 1, 6)])
+    worker.start_load(HybridKVMetadata([RequestTransfers(request_id="b", loads=loads)]))
+    assert worker.take_load_errors() == {5, 6}
+    assert worker.take_load_errors() == set()
+
+
+def test_missing_object_is_a_load_error_and_async_loads_finish(rig: Any) -> None:
+    worker, _, _ = rig
+    loads = _refs([(0, 0, 4)])
+    worker.start_load(
+        HybridKVMetadata([RequestTransfers(request_id="c", loads=loads, load_async=True)])
+    )
+    for _ in range(500):
+        _, done = worker.finished(set())
+        if done:
+            break
+        time.sleep(0.01)
+    assert done == {"c"}
+    assert worker.take_load_errors() == {4}
