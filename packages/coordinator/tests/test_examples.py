@@ -28,7 +28,8 @@ def test_each_kind_needs_what_the_issue_says() -> None:
             SlidingWindow(16, window=40),  # ceil(39 / 16) = 3 blocks
             ChunkedLocal(16, chunk=64),
             RecurrentState(16),
-        ]
+        ],
+        alignment=16,
     )
     full, window, chunked, state = coord.load_mask(96)
     assert blocks(full) == [0, 1, 2, 3, 4, 5]
@@ -41,14 +42,20 @@ def test_each_kind_needs_what_the_issue_says() -> None:
 
 
 def test_chunk_not_a_multiple_of_the_block_needs_the_block_holding_its_start() -> None:
-    coord = Coordinator([ChunkedLocal(16, chunk=40)])
+    coord = Coordinator([ChunkedLocal(16, chunk=40)], alignment=16)
     assert blocks(coord.load_mask(64)[0]) == [2, 3]  # chunk starts at token 40, block 2
 
 
-def test_default_alignment_is_the_lcm_of_block_sizes() -> None:
+def test_default_alignment_is_the_lcm_of_block_sizes_and_chunks() -> None:
     assert Coordinator([FullAttention(16), SlidingWindow(32, 100)]).alignment == 32
     assert Coordinator([FullAttention(48), RecurrentState(64)]).alignment == 192
-    assert Coordinator([FullAttention(16), ChunkedLocal(16, chunk=8192)]).alignment == 16
+    assert Coordinator([FullAttention(16), ChunkedLocal(16, chunk=8192)]).alignment == 8192
+    assert Coordinator([FullAttention(32), ChunkedLocal(16, chunk=40)]).alignment == 160
+
+
+def test_explicit_alignment_may_land_inside_a_chunk() -> None:
+    coord = Coordinator([FullAttention(16), ChunkedLocal(16, chunk=64)], alignment=16)
+    assert blocks(coord.load_mask(96)[1]) == [4, 5]
 
 
 def test_hit_stops_at_the_first_boundary_some_group_cannot_serve() -> None:

@@ -189,7 +189,8 @@ class KVPlan:
         return len(self.groups) > 1
 
     def coordinator(self) -> Coordinator:
-        return Coordinator([group.kind for group in self.groups])
+        # vLLM's own hits land on block boundaries, inside local-attention chunks too.
+        return Coordinator([group.kind for group in self.groups], alignment=self.alignment)
 
     @property
     def alignment(self) -> int:

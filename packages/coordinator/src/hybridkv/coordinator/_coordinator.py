@@ -78,8 +78,9 @@ def _require_count(name: str, value: object) -> int:
 class Coordinator:
     """Decides the hit boundary and the blocks behind it for a fixed set of groups.
 
-    `alignment` (default: lcm of the block sizes) is the step hits land on; it must be a
-    multiple of every block size so a boundary never splits a block. With `use_eagle`,
+    `alignment` (default: lcm of the block sizes and chunks) is the step hits land on; it
+    must be a multiple of every block size so a boundary never splits a block. A smaller
+    explicit alignment lets hits land inside a `ChunkedLocal` chunk. With `use_eagle`,
     every group with `drops_eagle_block` must also have the block starting at the
     boundary readable and inside `max_tokens`: the matched run reaches one block further
     and vLLM drops that last matched block to recompute it for the draft head. With
@@ -107,7 +108,7 @@ class Coordinator:
                 )
         block_sizes = [group.block_size for group in groups]
         if alignment is None:
-            alignment = math.lcm(*block_sizes)
+            alignment = math.lcm(*(group.alignment_unit for group in groups))
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
             raise ValueError(f"alignment must be a positive int, got {alignment!r}")
         for index, size in enumerate(block_sizes):

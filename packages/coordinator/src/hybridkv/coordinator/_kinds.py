@@ -8,6 +8,7 @@ right as the boundary grows, which is what lets the coordinator skip past a miss
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,6 +38,11 @@ class GroupKind(ABC):
 
     def __post_init__(self) -> None:
         _require_positive(type(self).__name__, "block_size", self.block_size)
+
+    @property
+    def alignment_unit(self) -> int:
+        """The step this group's natural hit boundaries fall on (the default alignment's lcm)."""
+        return self.block_size
 
     @abstractmethod
     def first_needed(self, tokens: int) -> int:
@@ -95,6 +101,10 @@ class ChunkedLocal(GroupKind):
     def __post_init__(self) -> None:
         GroupKind.__post_init__(self)
         _require_positive("ChunkedLocal", "chunk", self.chunk)
+
+    @property
+    def alignment_unit(self) -> int:
+        return math.lcm(self.block_size, self.chunk)
 
     def first_needed(self, tokens: int) -> int:
         return tokens // self.chunk * self.chunk // self.block_size
