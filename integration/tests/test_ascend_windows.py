@@ -144,7 +144,7 @@ def test_each_window_sits_between_the_cache_writes_and_the_attention_op(
 ) -> None:
     model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
     model.forward(fill=30)
-    model.layerwise.wait_for_save()
+    model.layerwise.end_step()
     trace = ascend_runtime.trace
     for name in NAMES:
         write, put = trace.index(f"cache_write:{name}"), trace.index(f"put:{name}")
@@ -164,7 +164,7 @@ def test_puts_wait_for_the_npu_event_while_the_host_runs_ahead(
     with npu.held():  # the device has not run a single kernel when the host is done
         model.forward(fill=40)
         assert not model.rig.readable(0, BLOCKS)
-    model.layerwise.wait_for_save()
+    model.layerwise.end_step()
     assert model.stored_layers() == [40, 41, 42]
 
 
@@ -177,7 +177,7 @@ def test_negative_control_an_ungated_event_saves_stale_bytes(
         with npu.held():
             model.forward(fill=40)
             assert wait_until(lambda: model.rig.engine.backlog.outstanding == 0)
-        model.layerwise.wait_for_save()
+        model.layerwise.end_step()
         assert model.stored_layers() == [0, 0, 0]  # read before the kernels wrote
     finally:
         model.close()
@@ -186,7 +186,7 @@ def test_negative_control_an_ungated_event_saves_stale_bytes(
 def test_layerwise_loads_land_before_each_attention_op(model: AscendModel) -> None:
     model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
     model.forward(fill=50)
-    model.layerwise.wait_for_save()
+    model.layerwise.end_step()
     for cache in model.rig.caches.values():
         cache[:] = 0
     model.rig.strategy.begin_step(model.rig.transfers(BLOCKS), [])
@@ -199,7 +199,7 @@ def test_layerwise_loads_land_before_each_attention_op(model: AscendModel) -> No
             model.sfa.forward(name, None, model.rig.caches[0, 1], metadata, output=[])
         else:
             model.dsa.forward(name, None, model.rig.caches[0, 2], metadata, output=[])
-    model.layerwise.wait_for_save()
+    model.layerwise.end_step()
     block_bytes = model.rig.caches[0, 0].shape[1]
     assert seen == {name: (50 + i) * block_bytes * len(BLOCKS) for i, name in enumerate(NAMES)}
 
@@ -278,7 +278,7 @@ def test_build_on_npu_installs_the_windows_and_shutdown_removes_them(
     ctx["g0.l0"].forward(rig.caches[0, 0], FakeAttnMetadata(BLOCKS, BLOCKS, fill=7))
     layerwise.save_layer("g0.l0")  # the window already saved it: no second put
     assert layerwise.strategy.stats.layers_saved == 1
-    assert layerwise.wait_for_save() is not None
-    layerwise.shutdown()
+    assert layerwise.end_step().saves is not None
+    layerwise.close()
     assert AscendAttentionBackendImpl.__dict__["forward_impl"] is original
     rig.close()

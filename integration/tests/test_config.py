@@ -46,7 +46,12 @@ def test_every_key_is_accepted() -> None:
         ({"use_layerwise": True, "typo_key": 1}, "typo_key"),
         ({"lookup_rpc_port": 70000}, "lookup_rpc_port"),
         ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
-        ({"layerwise_prefetch_layers": 0}, "layerwise_prefetch_layers"),
+        ({"layerwise_prefetch_layers": -1}, "layerwise_prefetch_layers"),
+        ({"_layerwise_backlog": 0}, "_layerwise_backlog"),
+        ({"consumer_is_to_put": 1}, "consumer_is_to_put"),
+        ({"save_decode_caches": True}, "save_decode_caches"),
+        ({"prefill_pp_size": 2}, "prefill_pp_size"),
+        ({"lookup_rpc_port": 5555, "mooncake_rpc_port": 5556}, "mooncake_rpc_port"),
         ({"layerwise_max_transfer_bytes": -1}, "layerwise_max_transfer_bytes"),
         ({"load_async": "yes"}, "load_async"),
         ({"backend": "memcache"}, "backend"),
@@ -58,6 +63,39 @@ def test_every_key_is_accepted() -> None:
 def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         parse_extra_config(extra)
+
+
+def test_ascend_store_connector_config_carries_over() -> None:
+    """An AscendStoreConnector extra config, unchanged, with every key it documents."""
+    config = parse_extra_config(
+        {
+            "backend": "mooncake",
+            "mooncake_rpc_port": 6000,
+            "load_async": False,
+            "use_layerwise": True,
+            "layerwise_prefetch_layers": 1,
+            "layerwise_max_transfer_blocks": 4,
+            "layerwise_max_transfer_bytes": 0,
+            "consumer_is_to_put": True,
+            "consumer_is_to_load": False,
+            "save_decode_cache": True,
+            "discard_partial_chunks": True,
+            "h2d_stagger_us": 50,
+            "layerwise_num_shared_buffers": 2,
+            "layerwise_independent_layers": ["model.layers.0.self_attn.attn"],
+            "prefill_pp_size": 1,
+        }
+    )
+    assert config.lookup_port == 6000
+    assert (config.saves_for("kv_consumer"), config.loads_for("kv_consumer")) == (True, False)
+    assert (config.saves_for("kv_producer"), config.loads_for("kv_both")) == (True, True)
+    options = config.pipeline_options()
+    assert (options.prefetch_layers, options.max_transfer_blocks) == (1, 4)
+    assert options.backlog == 8
+    assert parse_extra_config({"_layerwise_backlog": 1}).pipeline_options().backlog == 1
+    consumer = parse_extra_config({})
+    assert not consumer.saves_for("kv_consumer")
+    assert not consumer.loads_for("kv_consumer")
 
 
 def test_mooncake_json(tmp_path: Path) -> None:

@@ -109,11 +109,12 @@ def test_connector_calls_and_mamba_hook_save_every_layer(rig: Rig) -> None:
     assert not rig.readable(1, BLOCKS)
     ctx[MIXER](63)
     assert rig.strategy.stats.layers_saved == 4
-    result = layerwise.wait_for_save()
-    assert result is not None
-    assert result.ok
+    end = layerwise.end_step()
+    assert end.loads.ok
+    assert end.saves is not None
+    assert end.saves().bytes > 0
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
-    layerwise.shutdown()
+    layerwise.close()
     assert not ctx[MIXER]._forward_hooks  # hooks removed on shutdown
 
 
@@ -128,8 +129,8 @@ def test_cache_written_in_kernel_is_saved_after_the_kernel(rig: Rig) -> None:
     layerwise.save_layer(ATTENTION[0])
     assert rig.strategy.stats.layers_saved == 1
     forward(layerwise, rig, ctx[MIXER], 10)
-    assert layerwise.wait_for_save() is not None
-    layerwise.shutdown()
+    assert layerwise.end_step().saves is not None
+    layerwise.close()
 
 
 def test_mamba_hook_outside_a_step_does_nothing(rig: Rig) -> None:
@@ -138,7 +139,7 @@ def test_mamba_hook_outside_a_step_does_nothing(rig: Rig) -> None:
     layerwise.install_state_hooks(ctx)
     ctx[MIXER](5)  # profiling / dummy run: no step bound
     assert rig.strategy.stats.layers_saved == 0
-    layerwise.shutdown()
+    layerwise.close()
 
 
 def test_build_takes_layers_from_the_engine_layouts(rig: Rig) -> None:
@@ -153,8 +154,9 @@ def test_build_takes_layers_from_the_engine_layouts(rig: Rig) -> None:
         for name in sorted(n for n in names if n.endswith(f".l{layer}")):
             layerwise.wait_for_layer_load(name)
             layerwise.save_layer(name)
-    result = layerwise.wait_for_save()
-    assert result is not None
-    assert result.ok
+    end = layerwise.end_step()
+    assert end.loads.ok
+    assert end.saves is not None
+    assert end.saves().bytes > 0
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
-    layerwise.shutdown()
+    layerwise.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,8 +11,11 @@ from conftest import attention, groups, mamba
 
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.layerwise import VllmLayerPlan, VllmLayerwise
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
-from hybridkv.integration.worker import WholeBlocks, WorkerSide, build_layouts, tensor_entries
+from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
+from hybridkv.integration.window import LayerwiseStrategy
+from hybridkv.integration.worker import WorkerSide, build_layouts, tensor_entries
 from hybridkv.transport import CpuEvent, MemoryStore, Status, TransferEngine
 
 torch = pytest.importorskip("torch")
@@ -25,8 +29,8 @@ def _caches() -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def rig(vllm_specs: Any) -> Any:
+@pytest.fixture(params=["whole", "layerwise"])
+def rig(vllm_specs: Any, request: Any) -> Any:
     config = groups(
         vllm_specs,
         (["model.layers.0.attn"], attention(vllm_specs)),
@@ -40,9 +44,31 @@ def rig(vllm_specs: Any) -> Any:
     )
     store = MemoryStore()
     engine = TransferEngine(store, layouts)
-    worker = WorkerSide(keys, engine, WholeBlocks(engine), 0, CpuEvent)
+    worker = WorkerSide(keys, engine, STRATEGIES[request.param](engine), 0, CpuEvent)
     yield worker, caches, store
     worker.close()
+
+
+def _layerwise(engine: TransferEngine) -> VllmLayerwise:
+    """Layer by layer with no reporting layer: every put goes out at the step end."""
+    layers = sorted({entry.layer for layout in engine.layouts.values() for entry in layout.entries})
+    strategy = LayerwiseStrategy(engine, layers, {}, CpuEvent)
+    sizes = {group: layout.object_size for group, layout in engine.layouts.items()}
+    return VllmLayerwise(strategy, VllmLayerPlan(frozenset(), frozenset(), frozenset()), sizes)
+
+
+STRATEGIES: dict[str, Callable[[TransferEngine], TransferStrategy]] = {
+    "whole": lambda engine: WholeBlocks(engine, CpuEvent),
+    "layerwise": _layerwise,
+}
+
+
+def _step(worker: WorkerSide, requests: list[RequestTransfers]) -> None:
+    """vLLM's calls for one forward (without layer hooks), then the next step's barrier."""
+    worker.begin_step(HybridKVMetadata(requests))
+    worker.start_async_loads()
+    worker.end_step()
+    worker.barrier()
 
 
 def test_layout_entries_from_tensors() -> None:
@@ -65,11 +91,10 @@ def test_save_then_load_round_trips_bytes(rig: Any) -> None:
     worker, caches, _ = rig
     attn, conv = caches["model.layers.0.attn"], caches["model.layers.1.conv"]
     saves = _refs([(0, 0, 1), (0, 1, 2), (1, 1, 3)])
-    worker.save(HybridKVMetadata([RequestTransfers(request_id="a", saves=saves)]))
-    worker.barrier()
+    _step(worker, [RequestTransfers(request_id="a", saves=saves)])
     expected = (attn[1].clone(), attn[2].clone(), conv[3].clone())
     loads = _refs([(0, 0, 5), (0, 1, 6), (1, 1, 7)])
-    worker.start_load(HybridKVMetadata([RequestTransfers(request_id="b", loads=loads)]))
+    _step(worker, [RequestTransfers(request_id="b", loads=loads)])
     assert worker.take_load_errors() == set()
     assert torch.equal(attn[5], expected[0])
     assert torch.equal(attn[6], expected[1])
@@ -82,13 +107,11 @@ def test_save_then_load_round_trips_bytes(rig: Any) -> None:
 
 def test_failed_load_reports_local_blocks(rig: Any) -> None:
     worker, _, store = rig
-    worker.save(
-        HybridKVMetadata([RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (0, 1, 2)]))])
-    )
-    worker.barrier()
-    store.fail_next("batch_get_whole", lambda key: True, Status.TRANSFER_FAILED)
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (0, 1, 2)]))])
+    for operation in ("batch_get_whole", "get_ranges"):  # whole objects / layer ranges
+        store.fail_next(operation, lambda key: True, Status.TRANSFER_FAILED)
     loads = _refs([(0, 0, 5), (0, 1, 6)])
-    worker.start_load(HybridKVMetadata([RequestTransfers(request_id="b", loads=loads)]))
+    _step(worker, [RequestTransfers(request_id="b", loads=loads)])
     assert worker.take_load_errors() == {5, 6}
     assert worker.take_load_errors() == set()
 
@@ -96,9 +119,7 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
 def test_missing_object_is_a_load_error_and_async_loads_finish(rig: Any) -> None:
     worker, _, _ = rig
     loads = _refs([(0, 0, 4)])
-    worker.start_load(
-        HybridKVMetadata([RequestTransfers(request_id="c", loads=loads, load_async=True)])
-    )
+    _step(worker, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
     for _ in range(500):
         _, done = worker.finished(set())
         if done:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from hybridkv.transport import PipelineOptions
 from hybridkv.transport.config import MooncakeConfig
 
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
@@ -23,16 +24,29 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The keys of `kv_connector_extra_config`, with their defaults."""
+    """The keys of `kv_connector_extra_config`, with their defaults.
+
+    vllm-ascend `AscendStoreConnector` keys keep their meaning, so switching connectors
+    means changing only the connector name (see the README for the few that are no-ops).
+    """
 
     use_layerwise: bool = False
-    layerwise_prefetch_layers: Positive = 2
+    layerwise_prefetch_layers: NonNegative = 2
     layerwise_max_transfer_blocks: NonNegative = 0
     layerwise_max_transfer_bytes: NonNegative = 0
+    # Benchmark-only: layer puts outstanding at a checkpoint (the transport's backlog).
+    bench_layerwise_backlog: Positive = msgspec.field(name="_layerwise_backlog", default=8)
     # Loads run in the background while the request waits (vLLM's async load path).
     load_async: bool = False
+    # kv_role "kv_consumer" (a decode instance) neither saves nor loads unless told to.
+    consumer_is_to_put: bool = False
+    consumer_is_to_load: bool = False
+    # Also store the blocks that generated tokens complete, not only the prompt's.
+    save_decode_cache: bool = False
     # 0: worker rank 0 picks a free loopback port and publishes it to the scheduler.
     lookup_rpc_port: Port = 0
+    # AscendStoreConnector's older name for lookup_rpc_port.
+    mooncake_rpc_port: Port = 0
     lookup_timeout_ms: Positive = 5000
     # Objects are whole blocks addressed by content, so a partial block is never stored;
     # the key exists so AscendStoreConnector configs carry over.
@@ -43,6 +57,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     backend: Literal["mooncake"] = "mooncake"
     # "memory" is an in-process store for tests: it cannot share KV between processes.
     store: Literal["mooncake", "memory"] = "mooncake"
+    # AscendStoreConnector tuning of its own staging buffers and copies, which this
+    # connector does not have (it moves KV straight between the cache and the pool):
+    # accepted so configs carry over, with no effect.
+    h2d_stagger_us: NonNegative = 0
+    layerwise_num_shared_buffers: NonNegative | None = None
+    layerwise_independent_layers: list[str] | None = None
+    # Pipeline parallelism of a prefill instance: unsupported, so only 1 is accepted.
+    prefill_pp_size: Positive = 1
+    prefill_pp_layer_partition: str | None = None
 
     def __post_init__(self) -> None:
         if not self.discard_partial_chunks:
@@ -52,6 +75,32 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if "@" in self.namespace:
             raise ValueError(f"namespace must not contain '@': {self.namespace!r}")
+        if self.prefill_pp_size != 1 or self.prefill_pp_layer_partition is not None:
+            raise ValueError(
+                "prefill_pp_size / prefill_pp_layer_partition: pipeline parallelism is not "
+                "supported by HybridKVConnector yet (remove the keys or use prefill_pp_size 1)"
+            )
+        if self.lookup_rpc_port and self.mooncake_rpc_port:
+            raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")
+
+    @property
+    def lookup_port(self) -> int:
+        """The fixed lookup port (0: published by worker rank 0)."""
+        return self.lookup_rpc_port or self.mooncake_rpc_port
+
+    def pipeline_options(self) -> PipelineOptions:
+        return PipelineOptions(
+            backlog=self.bench_layerwise_backlog,
+            prefetch_layers=self.layerwise_prefetch_layers,
+            max_transfer_blocks=self.layerwise_max_transfer_blocks,
+            max_transfer_bytes=self.layerwise_max_transfer_bytes,
+        )
+
+    def saves_for(self, kv_role: str | None) -> bool:
+        return kv_role != "kv_consumer" or self.consumer_is_to_put
+
+    def loads_for(self, kv_role: str | None) -> bool:
+        return kv_role != "kv_consumer" or self.consumer_is_to_load
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:

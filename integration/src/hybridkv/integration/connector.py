@@ -33,9 +33,10 @@ from hybridkv.integration.metadata import HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVStats
-from hybridkv.integration.worker import TransferStrategy, WholeBlocks, WorkerSide, build_layouts
+from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
+from hybridkv.integration.worker import WorkerSide, build_layouts
 from hybridkv.keys import model_name
-from hybridkv.transport import PipelineOptions, TransferEngine, make_event
+from hybridkv.transport import TransferEngine, make_event
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,11 +100,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pool: Pool | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
-            self._scheduler = SchedulerSide(self.keys, self.config, self._client.query)
+            self._scheduler = SchedulerSide(
+                self.keys, self.config, self._client.query, transfer.kv_role
+            )
 
     def _lookup_address(self) -> str | None:
-        if self.config.lookup_rpc_port:
-            return f"tcp://{LOOPBACK}:{self.config.lookup_rpc_port}"
+        if self.config.lookup_port:
+            return f"tcp://{LOOPBACK}:{self.config.lookup_port}"
         return published_address(rendezvous_path(self._instance))
 
     @property
@@ -156,37 +159,39 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
         self._pool = open_pool(self.config, self._instance, tp_rank)
-        options = PipelineOptions(
-            prefetch_layers=self.config.layerwise_prefetch_layers,
-            max_transfer_blocks=self.config.layerwise_max_transfer_blocks,
-            max_transfer_bytes=self.config.layerwise_max_transfer_bytes,
-        )
-        engine = TransferEngine(self._pool.store, layouts, options)
+        engine = TransferEngine(self._pool.store, layouts, self.config.pipeline_options())
         device = self._vllm_config.device_config.device_type
         self._worker = WorkerSide(
-            self.keys, engine, self._strategy(engine), tp_rank, lambda: make_event(device)
+            self.keys, engine, self._strategy(engine, device), tp_rank, lambda: make_event(device)
         )
         if tp_rank == 0:
-            self._server = LookupServer(engine.batch_is_readable, self.config.lookup_rpc_port)
-            if not self.config.lookup_rpc_port:
+            self._server = LookupServer(engine.batch_is_readable, self.config.lookup_port)
+            if not self.config.lookup_port:
                 path = rendezvous_path(self._instance)
                 publish_port(path, self._server.port)
                 self._pool.files.append(path)
 
-    def _strategy(self, engine: TransferEngine) -> TransferStrategy:
+    def _strategy(self, engine: TransferEngine, device: str) -> TransferStrategy:
         if self.config.use_layerwise:
-            # hybridkv.integration.layerwise plugs in here through TransferStrategy.
-            raise ValueError("use_layerwise=true is not wired into HybridKVConnector yet")
-        return WholeBlocks(engine)
+            from hybridkv.integration.layerwise import build_vllm_layerwise
+
+            context = self._vllm_config.compilation_config.static_forward_context
+            return build_vllm_layerwise(engine, context, device, self._vllm_config)
+        return WholeBlocks(engine, lambda: make_event(device))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # First hook of a step, before vLLM zeroes or reuses any block: settle saves.
         self.worker_side.barrier()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The step starts here: vLLM calls start_load_kv after the forward when the step
+        # has no synchronous loads, too late for a layerwise step or a synchronous load.
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, HybridKVMetadata)
+        self.worker_side.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, HybridKVMetadata)
-        self.worker_side.start_load(metadata)
+        self.worker_side.start_async_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker_side.strategy.wait_for_layer_load(layer_name)
@@ -201,9 +206,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.strategy.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, HybridKVMetadata)
-        self.worker_side.save(metadata)
+        self.worker_side.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.finished(finished_req_ids)
@@ -218,6 +221,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             data = self._scheduler.take_stats()
             return HybridKVStats(data=dict(data)) if any(data.values()) else None
         return None
+
+    def transfer_totals(self, reset: bool = False) -> dict[str, float]:
+        """This worker's counters summed since start-up (or the last reset).
+
+        For in-process benchmarks (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, through
+        `vllm.distributed.kv_transfer.get_kv_transfer_group()`): vLLM's own stats
+        snapshots reset every step, these do not.
+        """
+        return self.worker_side.totals.snapshot(reset)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

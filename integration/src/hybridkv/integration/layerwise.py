@@ -14,12 +14,16 @@ step must begin when the worker binds the step's connector metadata, not there.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.integration.strategy import StepEnd, all_failed
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,25 +77,48 @@ def plan_vllm_layers(
 
 
 class VllmLayerwise:
-    """The worker-facing half: one method per vLLM connector hook, plus module hooks."""
+    """The layerwise `TransferStrategy`: one method per vLLM connector hook, plus module hooks.
 
-    def __init__(self, strategy: LayerwiseStrategy, plan: VllmLayerPlan) -> None:
+    `object_sizes` (group -> bytes of one object) turns loaded blocks into loaded bytes for
+    the counters. `hooks_fire=False` (a compiled model, where module hooks are traced away)
+    makes `begin_step` wait for the Mamba-type layers' loads before the forward starts.
+    """
+
+    def __init__(
+        self,
+        strategy: LayerwiseStrategy,
+        plan: VllmLayerPlan,
+        object_sizes: Mapping[int, int] | None = None,
+        hooks_fire: bool = True,
+    ) -> None:
         self.strategy = strategy
         self._plan = plan
+        self._object_sizes = dict(object_sizes or {})
+        self._hooks_fire = hooks_fire
+        self._loads: list[BlockTransfer] = []
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._uninstall: list[Callable[[], None]] = []
 
     def install_state_hooks(self, static_forward_context: Mapping[str, Any]) -> None:
-        """Post-compute save for Mamba-type layers, which never call the connector."""
+        """Mamba-type layers never call the connector: a pre-hook waits for their loads,
+        a post-compute hook saves their state."""
         for name in sorted(self._plan.state):
             module = static_forward_context[name]
+            self._hook_handles.append(module.register_forward_pre_hook(self._load_hook(name)))
             self._hook_handles.append(module.register_forward_hook(self._state_hook(name)))
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+
+    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+        self._open_windows.clear()
+        self._loads = list(loads)
+        self.strategy.begin_step(loads, saves)
+        if loads and not self._hooks_fire and self._plan.state:
+            self.strategy.wait_for_layer_load(max(self._plan.state, key=self.strategy.layer_of))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if layer_name in self._plan.windows:
@@ -108,24 +135,52 @@ class VllmLayerwise:
         elif layer_name in self._plan.after_kernel and not self.strategy.has_reported(layer_name):
             self.strategy.post_compute_save(layer_name)  # no window ran for it this step
 
-    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+    def end_step(self) -> StepEnd:
+        """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
-        self.strategy.begin_step(loads, saves)
+        loads, self._loads = self._loads, []
+        try:
+            failed = self.strategy.wait_all_loads()
+            result = self.strategy.wait_for_save()
+        except Exception:
+            log.exception("hybridkv: layerwise step failed; its loads are recomputed")
+            return StepEnd(all_failed(loads))
+        if result is None:
+            return StepEnd(TransferResult())
+        lost = {(group, block) for group, blocks in failed.items() for block in blocks}
+        loaded_bytes = sum(
+            self._object_sizes.get(t.group, 0)
+            for t in loads
+            if (t.group, t.local_block) not in lost
+        )
+        saved = TransferResult(bytes=max(result.bytes - loaded_bytes, 0), seconds=result.seconds)
+        loaded = TransferResult(failed_blocks=failed, bytes=loaded_bytes, seconds=result.seconds)
+        return StepEnd(loaded, lambda: saved)
 
-    def wait_for_save(self) -> TransferResult | None:
-        self._open_windows.clear()
-        return self.strategy.wait_for_save()
+    def take_stats(self) -> dict[str, float]:
+        stats = self.strategy.reset_stats().as_dict()
+        stats["layerwise_steps"] = stats.pop("steps")
+        return stats
 
-    def failed_loads(self) -> dict[int, set[int]]:
-        return self.strategy.failed_loads()
-
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Teardown: drain the open step, remove every hook and patch installed."""
         self._open_windows.clear()
         self.strategy.abort()
         self.remove_hooks()
         while self._uninstall:
             self._uninstall.pop()()
+
+    def _load_hook(self, name: str) -> Callable[..., None]:
+        import torch
+
+        strategy = self.strategy
+
+        def before_forward(_module: Any, _args: Any) -> None:
+            if torch.compiler.is_compiling() or not strategy.active:
+                return  # compiled: begin_step already waited (hooks_fire=False)
+            strategy.wait_for_layer_load(name)
+
+        return before_forward
 
     def _state_hook(self, name: str) -> Callable[..., None]:
         import torch
@@ -168,7 +223,8 @@ def build_vllm_layerwise(
         reporters={name: layer_of[name] for name in plan.reporters},
         new_event=lambda: make_event(device),
     )
-    layerwise = VllmLayerwise(strategy, plan)
+    sizes = {group: layout.object_size for group, layout in engine.layouts.items()}
+    layerwise = VllmLayerwise(strategy, plan, sizes, hooks_fire=_runs_eagerly(vllm_config))
     if on_npu:
         from hybridkv.integration.ascend import install_ascend_windows
 
@@ -176,3 +232,9 @@ def build_vllm_layerwise(
         layerwise._uninstall.append(windows.uninstall)
     layerwise.install_state_hooks(static_forward_context)
     return layerwise
+
+
+def _runs_eagerly(vllm_config: Any) -> bool:
+    """Whether module hooks run: not under torch.compile (enforce_eager, or no config)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return model_config is None or bool(getattr(model_config, "enforce_eager", False))

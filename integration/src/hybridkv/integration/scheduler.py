@@ -48,10 +48,14 @@ class _PendingLoad:
 class SchedulerSide:
     """The scheduler role of the connector."""
 
-    def __init__(self, keys: KeySpace, config: ConnectorConfig, query: Query) -> None:
+    def __init__(
+        self, keys: KeySpace, config: ConnectorConfig, query: Query, kv_role: str | None = None
+    ) -> None:
         self.keys = keys
         self.plan = keys.plan
         self.config = config
+        self._loads = config.loads_for(kv_role)
+        self._saves = config.saves_for(kv_role)
         self.coordinator = self.plan.coordinator()
         self._query = query
         self._tracked: dict[str, _Tracked] = {}
@@ -76,8 +80,8 @@ class SchedulerSide:
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
-        if getattr(request, "prompt_embeds", None) is not None:
-            return 0, False  # no token ids to hash
+        if not self._loads or getattr(request, "prompt_embeds", None) is not None:
+            return 0, False  # a consumer told not to load, or no token ids to hash
         max_tokens = request.num_tokens - 1
         top = self.coordinator.max_boundary(max_tokens)
         if top <= num_computed:
@@ -187,9 +191,12 @@ class SchedulerSide:
     def _plan_saves(
         self, tracked: _Tracked, done: int, state: Any, step: dict[str, RequestTransfers]
     ) -> None:
-        """Queue the store-worthy blocks this step completes within the prompt."""
+        """Queue the store-worthy blocks this step completes (the prompt's, or with
+        `save_decode_cache` also those the generated tokens complete)."""
+        if not self._saves:
+            return
         request = tracked.request
-        upto = min(done, request.num_prompt_tokens)
+        upto = done if self.config.save_decode_cache else min(done, request.num_prompt_tokens)
         current = state.get_block_ids(request.request_id) if state is not None else None
         table = current if current is not None else tracked.block_ids
         saves: list[BlockRef] = []
@@ -202,6 +209,8 @@ class SchedulerSide:
             tracked.hashes.cover(request.all_token_ids, complete * size)
             hashes = tracked.hashes.for_group(size)
             ids = table[plan.vllm_group_id]
+            if complete > len(tracked.store_mask[group]):  # decode went past the mask
+                tracked.store_mask = self.coordinator.store_mask(upto)
             mask = tracked.store_mask[group]
             for block in range(first, min(complete, len(ids))):
                 # Null: a window or a state vLLM already dropped; it is never coming back.

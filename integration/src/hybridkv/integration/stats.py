@@ -1,7 +1,8 @@
 """Transfer counters the connector reports through vLLM's KV connector stats.
 
 Workers count bytes, blocks and seconds of their loads and saves; the scheduler counts hit
-tokens. vLLM sums the snapshots of all ranks with `aggregate` and logs `reduce()`.
+tokens. vLLM sums the snapshots of all ranks with `aggregate` and logs `reduce()`. In
+layerwise mode the workers also report the exposed transfer tail (`LAYERWISE_FIELDS`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ FIELDS = (
     "saved_bytes",
     "save_seconds",
 )
+# Layerwise mode only (`use_layerwise: true`): forward time blocked on transfers.
+LAYERWISE_FIELDS = (
+    "layerwise_steps",
+    "layers_saved",
+    "load_wait_s",
+    "backlog_wait_s",
+    "finish_wait_s",
+    "exposed_tail_s",
+)
 
 
 class HybridKVStats(KVConnectorStats):
@@ -37,6 +47,8 @@ class HybridKVStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         reduced: dict[str, int | float] = {name: self.data.get(name, 0) for name in FIELDS}
+        if "layerwise_steps" in self.data:
+            reduced.update({name: self.data.get(name, 0) for name in LAYERWISE_FIELDS})
         seconds = reduced["load_seconds"]
         reduced["load_gb_per_s"] = reduced["loaded_bytes"] / seconds / 1e9 if seconds else 0.0
         return reduced
@@ -61,3 +73,10 @@ class Counters:
         with self._lock:
             data, self._data = self._data, {}
         return HybridKVStats(data=data) if any(data.values()) else None
+
+    def snapshot(self, reset: bool = False) -> dict[str, Any]:
+        with self._lock:
+            data = dict(self._data)
+            if reset:
+                self._data = {}
+        return data

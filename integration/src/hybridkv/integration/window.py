@@ -141,6 +141,18 @@ class LayerwiseStrategy:
         self.stats.load_wait_s += time.perf_counter() - started
         state.loaded.add(layer)
 
+    def wait_all_loads(self) -> dict[int, set[int]]:
+        """Wait for every get of the open step; the local blocks (per group) that failed."""
+        state = self._state
+        if state is None or not self._layers:
+            return {}
+        started = time.perf_counter()
+        with self._draining_on_error():
+            state.failed_loads = state.step.wait_layer_loaded(self._layers[-1])
+        self.stats.finish_wait_s += time.perf_counter() - started  # exposed at step end
+        state.loaded.update(self._layers)
+        return state.failed_loads
+
     def failed_loads(self) -> dict[int, set[int]]:
         """Local blocks (per group) whose gets failed so far in the open step.
 

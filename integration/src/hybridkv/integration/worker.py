@@ -1,22 +1,22 @@
 """Worker-side: lay out each group's objects over vLLM's tensors and move blocks.
 
-The worker owns the store client and a TransferEngine; what happens in a step is delegated
-to a strategy (`WholeBlocks` here: load before the forward, save after it; a layerwise
-strategy plugs in through the same interface). Saves run on the engine's send thread while
-vLLM finishes the step; `barrier()` waits for them before the next step can reuse a block
-(vLLM may free and reallocate a saved block as soon as the next schedule, e.g. a block that
-left a sliding window or a superseded Mamba state).
+The worker owns the store client and a TransferEngine; how a step's transfers are issued
+is its `TransferStrategy` (whole blocks, or layer by layer). Saves may still be running
+when the forward returns; `barrier()` waits for them before the next step can reuse a
+block (vLLM may free and reallocate a saved block as soon as the next schedule, e.g. a
+block that left a sliding window or a superseded Mamba state).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
+from hybridkv.integration.strategy import StepEnd, TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
     CacheEntry,
@@ -92,41 +92,12 @@ def build_layouts(
     return layouts
 
 
-class TransferStrategy(Protocol):
-    """How one step's transfers are issued (whole blocks now, layer by layer later)."""
-
-    def start_step(self, loads: Sequence[BlockTransfer]) -> TransferResult:
-        """Before the forward: make the loads this forward needs land."""
-
-    def wait_for_layer_load(self, layer_name: str) -> None: ...
-
-    def save_layer(self, layer_name: str) -> None: ...
-
-    def end_step(self, saves: Sequence[BlockTransfer], ready: Event) -> Ticket | None:
-        """After the forward: start the saves once `ready` is reached."""
-
-
-class WholeBlocks:
-    """Each object in one piece: loads complete before the forward, saves start after it."""
-
-    def __init__(self, engine: TransferEngine) -> None:
-        self.engine = engine
-
-    def start_step(self, loads: Sequence[BlockTransfer]) -> TransferResult:
-        return self.engine.load(loads).wait() if loads else TransferResult()
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_layer(self, layer_name: str) -> None:
-        return None
-
-    def end_step(self, saves: Sequence[BlockTransfer], ready: Event) -> Ticket | None:
-        return self.engine.save(saves, ready) if saves else None
-
-
 class WorkerSide:
-    """The worker role: renders this rank's keys, runs the strategy, reports outcomes."""
+    """The worker role: renders this rank's keys, runs the strategy, reports outcomes.
+
+    `counters` are taken by vLLM's per-step stats snapshots; `totals` keep summing the
+    same values until `take_totals()` (for in-process benchmarks).
+    """
 
     def __init__(
         self,
@@ -134,17 +105,23 @@ class WorkerSide:
         engine: TransferEngine,
         strategy: TransferStrategy,
         tp_rank: int,
-        make_event: Any,
+        new_event: Callable[[], Event],
     ) -> None:
         self.keys = keys
         self.engine = engine
         self.strategy = strategy
         self.tp_rank = tp_rank
-        self._make_event = make_event
+        self._new_event = new_event
         self.counters = Counters()
-        self._saves: list[Ticket] = []
+        self.totals = Counters()
+        self._saves: list[Callable[[], TransferResult]] = []
+        self._async_waiting: dict[str, list[BlockTransfer]] = {}
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
         self._load_errors: set[int] = set()
+
+    def _count(self, **values: float) -> None:
+        self.counters.add(**values)
+        self.totals.add(**values)
 
     def _transfers(
         self, request_id: str, refs: Iterable[BlockRef], writing: bool
@@ -163,7 +140,7 @@ class WorkerSide:
         if failed:
             logger.warning("hybridkv: %d blocks failed to load; vLLM recomputes them", len(failed))
         self._load_errors |= failed
-        self.counters.add(
+        self._count(
             loaded_bytes=result.bytes,
             load_seconds=result.seconds,
             failed_load_blocks=len(failed),
@@ -171,50 +148,54 @@ class WorkerSide:
 
     def barrier(self) -> None:
         """Wait for every save issued so far: their source blocks may be reused next."""
-        tickets, self._saves = self._saves, []
-        for ticket in tickets:
+        pending, self._saves = self._saves, []
+        for wait in pending:
             try:
-                result = ticket.wait()
+                result = wait()
             except Exception:
                 logger.exception("hybridkv: a save failed; those blocks stay uncached")
                 continue
-            self.counters.add(saved_bytes=result.bytes, save_seconds=result.seconds)
+            self._count(saved_bytes=result.bytes, save_seconds=result.seconds)
 
-    def start_load(self, meta: HybridKVMetadata) -> None:
+    def begin_step(self, meta: HybridKVMetadata) -> None:
+        """The step's metadata is bound, the forward not started: hand the strategy its plan."""
         self.barrier()
         sync: list[BlockTransfer] = []
+        saves: list[BlockTransfer] = []
+        loaded_blocks = 0
         for request in meta.requests:
-            if not request.loads:
-                continue
-            transfers = self._transfers(request.request_id, request.loads, writing=False)
-            self.counters.add(loaded_blocks=len(transfers))
-            if request.load_async:
-                self._async_loads[request.request_id] = (self.engine.load(transfers), transfers)
+            loads = self._transfers(request.request_id, request.loads, writing=False)
+            loaded_blocks += len(loads)
+            if loads and request.load_async:
+                self._async_waiting[request.request_id] = loads
             else:
-                sync.extend(transfers)
+                sync.extend(loads)
+            saves.extend(self._transfers(request.request_id, request.saves, writing=True))
+        self._count(loaded_blocks=loaded_blocks, saved_blocks=len(saves))
         if sync:
-            try:
-                result = self.strategy.start_step(sync)
-            except Exception:
-                logger.exception("hybridkv: loading %d blocks failed", len(sync))
-                self._load_errors |= {transfer.local_block for transfer in sync}
-                return
-            self._record_load(result)
+            # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
+            fence = self._new_event()
+            fence.record()
+            fence.synchronize()
+        try:
+            self.strategy.begin_step(sync, saves)
+        except Exception:
+            logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
+            self._record_load(all_failed(sync))
 
-    def save(self, meta: HybridKVMetadata) -> None:
-        saves = [
-            transfer
-            for request in meta.requests
-            for transfer in self._transfers(request.request_id, request.saves, writing=True)
-        ]
-        if not saves:
-            return
-        self.counters.add(saved_blocks=len(saves))
-        event = self._make_event()
-        event.record()
-        ticket = self.strategy.end_step(saves, event)
-        if ticket is not None:
-            self._saves.append(ticket)
+    def start_async_loads(self) -> None:
+        """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
+        waiting, self._async_waiting = self._async_waiting, {}
+        for request_id, transfers in waiting.items():
+            self._async_loads[request_id] = (self.engine.load(transfers), transfers)
+
+    def end_step(self) -> None:
+        """vLLM's `wait_for_save`: settle this step's loads, keep its saves to wait for."""
+        end: StepEnd = self.strategy.end_step()
+        self._record_load(end.loads)
+        if end.saves is not None:
+            self._saves.append(end.saves)
+        self._count(**self.strategy.take_stats())
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads that completed (their failures already in the load errors)."""
@@ -227,7 +208,7 @@ class WorkerSide:
                 self._record_load(ticket.wait())
             except Exception:
                 logger.exception("hybridkv: async load of %s failed", request_id)
-                self._load_errors |= {transfer.local_block for transfer in transfers}
+                self._record_load(all_failed(transfers))
         return None, (done or None)
 
     def take_load_errors(self) -> set[int]:
@@ -235,6 +216,7 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        self.strategy.close()
         self.barrier()
         for ticket, _ in self._async_loads.values():
             try:
@@ -242,4 +224,5 @@ class WorkerSide:
             except Exception:
                 logger.exception("hybridkv: async load failed during shutdown")
         self._async_loads.clear()
+        self._async_waiting.clear()
         self.engine.close()

@@ -1,0 +1,101 @@
+"""How one step's transfers are issued: the interface both transfer modes implement.
+
+The worker calls the same five points every step, whatever the mode:
+
+- `begin_step(loads, saves)` when vLLM binds the step's connector metadata, before the
+  forward (vLLM calls `start_load_kv` after the forward in steps without synchronous
+  loads, so that hook is too late for anything the forward needs);
+- `wait_for_layer_load(name)` / `save_layer(name)` from vLLM's per-layer connector calls;
+- `end_step()` from `wait_for_save`, after the forward;
+- `close()` at shutdown.
+
+`WholeBlocks` (here) moves each object in one piece: loads land before the forward, saves
+start after it and finish in the background. `hybridkv.integration.layerwise.VllmLayerwise`
+moves them layer by layer while the model computes. Either way a step's saves have
+completed before the worker lets vLLM reuse a block (`StepEnd.saves`, waited for by the
+worker's barrier at the next step's first hook).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferResult
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What a step's forward leaves behind.
+
+    `loads`: the step's synchronous loads, complete; their `failed_blocks` hold no valid
+    KV (vLLM recomputes them). `saves`: waits for the step's saves (None: nothing to wait
+    for); the worker calls it before vLLM can reuse a saved block.
+    """
+
+    loads: TransferResult
+    saves: Callable[[], TransferResult] | None = None
+
+
+class TransferStrategy(Protocol):
+    """One step's transfers, driven by vLLM's connector calls (see the module doc)."""
+
+    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+        """Before the forward: the loads it needs, the saves it completes."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_layer(self, layer_name: str) -> None: ...
+
+    def end_step(self) -> StepEnd:
+        """After the forward (vLLM's `wait_for_save`)."""
+
+    def take_stats(self) -> dict[str, float]:
+        """Mode-specific counters since the last call (summed into the connector stats)."""
+
+    def close(self) -> None:
+        """Drain whatever is open; nothing stays in flight or hooked into the model."""
+
+
+def all_failed(transfers: Sequence[BlockTransfer]) -> TransferResult:
+    """The result of transfers that raised instead of reporting per block."""
+    failed: dict[int, set[int]] = {}
+    for transfer in transfers:
+        failed.setdefault(transfer.group, set()).add(transfer.local_block)
+    return TransferResult(failed_blocks=failed, failed_keys=[t.key for t in transfers])
+
+
+class WholeBlocks:
+    """Each object in one piece: loads complete before the forward, saves start after it."""
+
+    def __init__(self, engine: TransferEngine, new_event: Callable[[], Event]) -> None:
+        self.engine = engine
+        self._new_event = new_event
+        self._loaded = TransferResult()
+        self._saves: list[BlockTransfer] = []
+
+    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+        self._saves = list(saves)
+        self._loaded = self.engine.load(loads).wait() if loads else TransferResult()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_layer(self, layer_name: str) -> None:
+        return None
+
+    def end_step(self) -> StepEnd:
+        loaded, self._loaded = self._loaded, TransferResult()
+        saves, self._saves = self._saves, []
+        if not saves:
+            return StepEnd(loaded)
+        ready = self._new_event()
+        ready.record()  # the forward's cache writes
+        return StepEnd(loaded, self.engine.save(saves, ready).wait)
+
+    def take_stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self._saves = []
