@@ -9,12 +9,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save, unique_prefix
 from _engine_model import Caches, transfers
 
+from hybridkv.transport.engine import TransferEngine
+from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
 from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.ownership import BlockTransfer
 from hybridkv.transport.store import Store
 from hybridkv.transport.testing import mooncake_config
 
@@ -90,3 +94,38 @@ def test_keys_already_in_the_pool_are_skipped_not_rewritten(store: Store, mode: 
         assert read_object(store, transfer.key, size) == first.block_bytes(
             transfer.group, transfer.local_block
         )
+
+
+def test_many_layer_whole_objects_fit_mooncakes_per_call_piece_limit(
+    mooncake_master: MasterProcess, segment_holder: object
+) -> None:
+    """64 layers x 48 blocks = 3072 pieces: one Mooncake call fails keys past ~2000."""
+    layers, blocks, nbytes = 64, 48, 256
+    memory = np.random.default_rng(20).integers(0, 256, (layers, blocks, nbytes), np.uint8)
+    target = np.zeros_like(memory)
+    layouts = {
+        name: [
+            GroupLayout(
+                0,
+                [
+                    CacheEntry(layer, "kv", array[layer].ctypes.data, nbytes, nbytes)
+                    for layer in range(layers)
+                ],
+            )
+        ]
+        for name, array in (("source", memory), ("target", target))
+    }
+    prefix = unique_prefix()
+    saves = [BlockTransfer(f"{prefix}-{b}", 0, b, "r", b) for b in range(blocks)]
+    # Lend nothing: objects go to the holder, over TCP, as in a deployment.
+    writer_store = MooncakeStore.connect(
+        mooncake_config(mooncake_master.address, global_segment_size=0)
+    )
+    try:
+        with TransferEngine(writer_store, layouts["source"]) as engine:
+            assert engine.save(saves).wait(timeout=60).ok
+        with TransferEngine(writer_store, layouts["target"]) as engine:
+            assert engine.load(saves).wait(timeout=60).ok
+    finally:
+        writer_store.close()
+    assert np.array_equal(target, memory)

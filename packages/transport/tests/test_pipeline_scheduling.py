@@ -52,26 +52,41 @@ def test_options_are_validated() -> None:
     assert PipelineOptions() == PipelineOptions(
         backlog=8, prefetch_layers=2, max_transfer_blocks=0, max_transfer_bytes=0
     )
+    with pytest.raises(ValueError, match="max_transfer_pieces must be >= 0"):
+        PipelineOptions(max_transfer_pieces=-1)
 
 
 @given(
-    st.lists(st.integers(1, 100), max_size=40),
+    st.lists(st.tuples(st.integers(1, 100), st.integers(1, 8)), max_size=40),
     st.integers(0, 5),
     st.integers(0, 300),
+    st.integers(0, 12),
 )
 def test_split_covers_the_batch_in_order_within_limits(
-    sizes: list[int], max_blocks: int, max_bytes: int
+    items: list[tuple[int, int]], max_blocks: int, max_bytes: int, max_pieces: int
 ) -> None:
-    parts = PipelineOptions(max_transfer_blocks=max_blocks, max_transfer_bytes=max_bytes).split(
-        sizes
+    options = PipelineOptions(
+        max_transfer_blocks=max_blocks,
+        max_transfer_bytes=max_bytes,
+        max_transfer_pieces=max_pieces,
     )
+    sizes = [size for size, _ in items]
+    pieces = [count for _, count in items]
+    parts = options.split(sizes, pieces)
     assert [i for part in parts for i in range(len(sizes))[part]] == list(range(len(sizes)))
     for part in parts:
-        chosen = sizes[part]
-        assert chosen
-        if len(chosen) > 1:  # a single item over the byte limit still goes alone
-            assert not max_blocks or len(chosen) <= max_blocks
-            assert not max_bytes or sum(chosen) <= max_bytes
+        assert sizes[part]
+        if len(sizes[part]) > 1:  # a single item over a limit still goes alone
+            assert not max_blocks or len(sizes[part]) <= max_blocks
+            assert not max_bytes or sum(sizes[part]) <= max_bytes
+            assert not max_pieces or sum(pieces[part]) <= max_pieces
+        if part.stop < len(sizes):  # and a slice only ends where the next item would not fit
+            grown = slice(part.start, part.stop + 1)
+            assert (
+                (max_blocks and len(sizes[grown]) > max_blocks)
+                or (max_bytes and sum(sizes[grown]) > max_bytes)
+                or (max_pieces and sum(pieces[grown]) > max_pieces)
+            )
 
 
 def test_backlog_never_exceeds_its_bound(memory: np.ndarray) -> None:

@@ -32,30 +32,43 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     prefetch_layers: int = 2
     max_transfer_blocks: int = 0
     max_transfer_bytes: int = 0
+    # Mooncake 0.3.13 over TCP fails (-800) keys of one batch beyond about 2000 pieces
+    # (buffers or ranges) in all: whole-object calls of many-layer groups are split here.
+    max_transfer_pieces: int = 1024
     granularity: Granularity = "layer"
 
     def __post_init__(self) -> None:
         if self.backlog < 1:
             raise ValueError(f"backlog must be >= 1 layer save, got {self.backlog}")
-        for name in ("prefetch_layers", "max_transfer_blocks", "max_transfer_bytes"):
+        limits = ("prefetch_layers", "max_transfer_blocks", "max_transfer_bytes",
+                  "max_transfer_pieces")  # fmt: skip
+        for name in limits:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if self.granularity not in ("layer", "group"):
             raise ValueError(f"granularity must be 'layer' or 'group', got {self.granularity!r}")
 
-    def split(self, item_bytes: Sequence[int]) -> list[slice]:
-        """Consecutive slices of a batch within the block and byte limits (>= 1 item each)."""
+    def split(self, item_bytes: Sequence[int], item_pieces: Sequence[int]) -> list[slice]:
+        """Consecutive slices of a batch within the limits (>= 1 item each)."""
+        limits = (
+            (self.max_transfer_blocks, [1] * len(item_bytes)),
+            (self.max_transfer_bytes, item_bytes),
+            (self.max_transfer_pieces, item_pieces),
+        )
+        active = [(limit, amounts) for limit, amounts in limits if limit]
         slices: list[slice] = []
-        start, count, size = 0, 0, 0
-        for index, nbytes in enumerate(item_bytes):
-            full_blocks = self.max_transfer_blocks and count >= self.max_transfer_blocks
-            full_bytes = self.max_transfer_bytes and size + nbytes > self.max_transfer_bytes
-            if count and (full_blocks or full_bytes):
+        start = 0
+        used = [0] * len(active)
+        for index in range(len(item_bytes)):
+            over = any(
+                used[i] + amounts[index] > limit for i, (limit, amounts) in enumerate(active)
+            )
+            if index > start and over:
                 slices.append(slice(start, index))
-                start, count, size = index, 0, 0
-            count += 1
-            size += nbytes
-        if count:
+                start, used = index, [0] * len(active)
+            for i, (_, amounts) in enumerate(active):
+                used[i] += amounts[index]
+        if start < len(item_bytes):
             slices.append(slice(start, len(item_bytes)))
         return slices
 

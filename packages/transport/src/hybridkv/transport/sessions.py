@@ -127,6 +127,7 @@ class Call:
         self.sizes: list[list[int]] = []
         self.offsets: list[list[int]] = []
         self.nbytes: list[int] = []
+        self.pieces: list[int] = []
         self.rows: list[tuple[GroupBatch, int]] = []
 
     def add(self, batch: GroupBatch, rows: Rows, ranges: Ranges) -> None:
@@ -136,6 +137,7 @@ class Call:
         self.sizes.extend([ranges.sizes] * count)
         self.offsets.extend([ranges.offsets] * count)
         self.nbytes.extend([ranges.nbytes] * count)
+        self.pieces.extend([len(ranges.sizes)] * count)
         self.rows.extend((batch, int(row)) for row in rows)
 
 
@@ -160,7 +162,7 @@ class Transfers:
     def issue(self, call: Call, operation: str, send: StoreCall) -> list[tuple[GroupBatch, int]]:
         """Run `send` over the limit-sized slices of `call`; returns the rows that failed."""
         failed: list[tuple[GroupBatch, int]] = []
-        for part in self.options.split(call.nbytes):
+        for part in self.options.split(call.nbytes, call.pieces):
             try:
                 statuses = send(part)
             except StoreError as exc:
@@ -288,7 +290,7 @@ class RangedWrites(Writes):
         sizes = [batch.layout.object_size for batch, _ in call.rows]
         exists: list[tuple[GroupBatch, int]] = []
         failed: list[tuple[GroupBatch, int]] = []
-        for part in self.options.split(call.nbytes):
+        for part in self.options.split(call.nbytes, call.pieces):
             try:
                 statuses = self.store.put_session_start(call.keys[part], sizes[part])
             except StoreError as exc:

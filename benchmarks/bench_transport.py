@@ -1,0 +1,332 @@
+"""Transport engine vs raw Mooncake on a DeepSeek-like layout, side by side in one run.
+
+Layout: 61 layers, 3 groups (MLA latent, indexer keys, compressor state), 256 blocks per
+group: one object per (group, block) holding all 61 layers' bytes. The transport moves it
+layer by layer (put: a layer's ranges once "ready", commit per group; get: each layer
+before it is "used"), at both granularities, and whole; raw Mooncake moves the same bytes
+with `batch_put_from` / `batch_get_into` from one contiguous buffer per object (the best
+Mooncake can do, no layout work at all). Same process, then a second process reading.
+
+Starts its own master and segment holder on loopback; needs mooncake installed. Run:
+`python benchmarks/bench_transport.py [--blocks N] [--repeats R]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hybridkv.transport import (
+    BlockTransfer,
+    CacheEntry,
+    CpuEvent,
+    GroupLayout,
+    MasterProcess,
+    MooncakeConfig,
+    MooncakeStore,
+    PipelineOptions,
+    SegmentHolder,
+    TransferEngine,
+)
+from hybridkv.transport.mooncake_store import load_client_class
+
+LAYERS = 61
+# group -> (cache name, bytes per block per layer): fp8 MLA latent (16 tokens x 576),
+# indexer keys (16 x 132), a compressor state page.
+GROUPS = {0: ("latent", 16 * 576), 1: ("indexer", 16 * 132), 2: ("state", 1024)}
+MODES = {
+    "layerwise, layer granularity": "layer",
+    "layerwise, group granularity": "group",
+    "whole objects": "whole",
+}
+
+
+class Caches:
+    """One worker's KV tensors in numpy memory: [group][layer] -> (blocks, bytes)."""
+
+    def __init__(self, blocks: int, seed: int | None) -> None:
+        rng = np.random.default_rng(seed)
+        self.blocks = blocks
+        self.arrays = {
+            (group, layer): (
+                rng.integers(0, 256, size=(blocks, nbytes), dtype=np.uint8)
+                if seed is not None
+                else np.zeros((blocks, nbytes), dtype=np.uint8)
+            )
+            for group, (_, nbytes) in GROUPS.items()
+            for layer in range(LAYERS)
+        }
+        self.layouts = [
+            GroupLayout(
+                group,
+                [
+                    CacheEntry(
+                        layer,
+                        name,
+                        self.arrays[(group, layer)].ctypes.data,
+                        nbytes,
+                        nbytes,
+                        num_blocks=blocks,
+                    )
+                    for layer in range(LAYERS)
+                ],
+            )
+            for group, (name, nbytes) in GROUPS.items()
+        ]
+
+    def objects(self) -> np.ndarray:
+        """The objects as one contiguous buffer per (group, block): raw Mooncake's input."""
+        per_group = [
+            np.concatenate([self.arrays[(group, layer)] for layer in range(LAYERS)], axis=1)
+            for group in GROUPS
+        ]
+        width = max(part.shape[1] for part in per_group)
+        flat = np.zeros((len(GROUPS), self.blocks, width), dtype=np.uint8)
+        for group, part in enumerate(per_group):
+            flat[group, :, : part.shape[1]] = part
+        return flat
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.arrays.values())
+
+    def same_as(self, other: Caches) -> bool:
+        return all(np.array_equal(self.arrays[k], other.arrays[k]) for k in self.arrays)
+
+
+def transfers(prefix: str, blocks: int) -> list[BlockTransfer]:
+    return [
+        BlockTransfer(f"{prefix}@group:{group}@{block}", group, block, prefix, block)
+        for group in GROUPS
+        for block in range(blocks)
+    ]
+
+
+def raw_client(master: str) -> Any:
+    client = load_client_class()()
+    code = client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master)
+    if code != 0:
+        raise RuntimeError(f"raw Mooncake client setup failed with {code}")
+    return client
+
+
+def raw_args(
+    caches: Caches, flat: np.ndarray, prefix: str
+) -> tuple[list[str], list[int], list[int]]:
+    keys, ptrs, sizes = [], [], []
+    for layout in caches.layouts:
+        for block in range(caches.blocks):
+            keys.append(f"{prefix}@group:{layout.group_id}@{block}")
+            ptrs.append(flat[layout.group_id, block].ctypes.data)
+            sizes.append(layout.object_size)
+    return keys, ptrs, sizes
+
+
+def checked(codes: list[int], what: str) -> None:
+    bad = [code for code in codes if code < 0]
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} keys failed, e.g. {bad[0]}")
+
+
+def timed(work: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """(seconds, result) of one call."""
+    started = time.perf_counter()
+    result = work(*args)
+    return time.perf_counter() - started, result
+
+
+def transport_put(engine: TransferEngine, saves: list[BlockTransfer], mode: str) -> None:
+    if mode == "whole":
+        result = engine.save(saves).wait()
+    else:
+        step = engine.begin_layerwise(saves=saves)
+        for layer in range(LAYERS):
+            step.save_layer(layer, CpuEvent())
+            step.checkpoint()
+        result = step.finish()
+    if not result.ok:
+        raise RuntimeError(f"transport put failed for {len(result.failed_keys)} keys")
+
+
+def transport_get(engine: TransferEngine, loads: list[BlockTransfer], mode: str) -> int:
+    """Load; returns how many keys failed (reported, not raised: the bench shows it)."""
+    if mode == "whole":
+        result = engine.load(loads).wait()
+    else:
+        step = engine.begin_layerwise(loads=loads)
+        for layer in range(LAYERS):
+            step.wait_layer_loaded(layer)
+        result = step.finish()
+    return len(result.failed_keys)
+
+
+def engine_for(store: MooncakeStore, caches: Caches, mode: str) -> TransferEngine:
+    granularity = "group" if mode == "group" else "layer"
+    return TransferEngine(store, caches.layouts, PipelineOptions(granularity=granularity))
+
+
+def connect(master: str) -> MooncakeStore:
+    # Lend nothing: objects live in the holder and outlive this process.
+    return MooncakeStore.connect(
+        MooncakeConfig(
+            master_server_address=master, global_segment_size=0, local_buffer_size=64 << 20
+        )
+    )
+
+
+def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -> dict[str, float]:
+    """Best get time per mode (and raw) of objects another process wrote; checks bytes."""
+    expected = Caches(blocks, seed=1)
+    target = Caches(blocks, seed=None)
+    flat = np.zeros_like(expected.objects())
+    client = raw_client(master)
+    client.register_buffer(flat.ctypes.data, flat.nbytes)
+    store = connect(master)
+    times: dict[str, float] = {}
+    try:
+        keys, ptrs, sizes = raw_args(expected, flat, prefixes["raw"])
+        runs = [timed(client.batch_get_into, keys, ptrs, sizes) for _ in range(repeats)]
+        for _, codes in runs:
+            checked(codes, "raw get")
+        times["raw"] = min(seconds for seconds, _ in runs)
+        if not np.array_equal(flat, expected.objects()):
+            raise RuntimeError("raw get returned wrong bytes")
+        for mode in MODES.values():
+            loads = transfers(prefixes[mode], blocks)
+            with engine_for(store, target, mode) as engine:
+                runs = [timed(transport_get, engine, loads, mode) for _ in range(repeats)]
+            times[mode] = min(seconds for seconds, _ in runs)
+            times[f"{mode} failed keys"] = max(failed for _, failed in runs)
+            if not runs[-1][1] and not target.same_as(expected):
+                raise RuntimeError(f"transport get ({mode}) returned wrong bytes")
+            for array in target.arrays.values():
+                array[:] = 0
+    finally:
+        store.close()
+        client.close()
+    return times
+
+
+def ratio_line(label: str, raw_s: float, ours_s: float, nbytes: int) -> str:
+    return (
+        f"  {label:<34} raw {nbytes / raw_s / 1e9:6.2f} GB/s  transport "
+        f"{nbytes / ours_s / 1e9:6.2f} GB/s  ratio {raw_s / ours_s:5.2f}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--reader", help=argparse.SUPPRESS)  # master address (child)
+    parser.add_argument("--prefixes", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    if args.reader:
+        times = read_all(args.reader, args.blocks, json.loads(args.prefixes), args.repeats)
+        print(json.dumps(times))
+        return 0
+
+    source = Caches(args.blocks, seed=1)
+    total = source.nbytes
+    print(
+        f"bench_transport: {LAYERS} layers, {len(GROUPS)} groups, {args.blocks} blocks, "
+        f"{total / 1e6:.0f} MB per pass, best of {args.repeats}"
+    )
+    with (
+        MasterProcess.start() as master,
+        SegmentHolder.start(master.address, 4 * total + (256 << 20)),
+    ):
+        client = raw_client(master.address)
+        store = connect(master.address)
+        flat = source.objects()
+        back = np.zeros_like(flat)
+        for buffer in (flat, back):
+            client.register_buffer(buffer.ctypes.data, buffer.nbytes)
+        target = Caches(args.blocks, seed=None)
+        same: dict[str, tuple[float, float]] = {}
+        try:
+            for repeat in range(args.repeats + 1):  # pass 0 warms the pool's pages up
+                keys, ptrs, sizes = raw_args(source, flat, f"raw{repeat}")
+                put_s, codes = timed(client.batch_put_from, keys, ptrs, sizes)
+                checked(codes, "raw put")
+                back_ptrs = [ptr - flat.ctypes.data + back.ctypes.data for ptr in ptrs]
+                get_s, codes = timed(client.batch_get_into, keys, back_ptrs, sizes)
+                checked(codes, "raw get")
+                if not np.array_equal(back, flat):
+                    raise RuntimeError("raw round trip returned wrong bytes")
+                if repeat:
+                    best = same.get("raw", (put_s, get_s))
+                    same["raw"] = (min(best[0], put_s), min(best[1], get_s))
+                if repeat < args.repeats:
+                    client.batch_remove(keys, True)
+            for mode in MODES.values():
+                for repeat in range(args.repeats):
+                    saves = transfers(f"{mode}{repeat}", args.blocks)
+                    with engine_for(store, source, mode) as engine:
+                        put_s, _ = timed(transport_put, engine, saves, mode)
+                    with engine_for(store, target, mode) as engine:
+                        get_s, failed = timed(transport_get, engine, saves, mode)
+                    if failed:
+                        raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
+                    if not target.same_as(source):
+                        raise RuntimeError(f"transport round trip ({mode}) returned wrong bytes")
+                    for array in target.arrays.values():
+                        array[:] = 0
+                    best = same.get(mode, (put_s, get_s))
+                    same[mode] = (min(best[0], put_s), min(best[1], get_s))
+                    if repeat < args.repeats - 1:
+                        client.batch_remove([t.key for t in saves], True)
+            prefixes = {"raw": f"raw{args.repeats}"}
+            prefixes.update({mode: f"{mode}{args.repeats - 1}" for mode in MODES.values()})
+            child = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--reader",
+                    master.address,
+                    "--blocks",
+                    str(args.blocks),
+                    "--repeats",
+                    str(args.repeats),
+                    "--prefixes",
+                    json.dumps(prefixes),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=600,
+            )
+            if child.returncode != 0:
+                raise RuntimeError(f"reader process failed:\n{child.stderr[-4000:]}")
+            cross = json.loads(child.stdout.strip().splitlines()[-1])
+        finally:
+            store.close()
+            client.close()
+
+    raw_put, raw_get = same["raw"]
+    print("same process (put, then get into other memory):")
+    for label, mode in MODES.items():
+        put_s, get_s = same[mode]
+        print(ratio_line(f"{label}: put", raw_put, put_s, total))
+        print(ratio_line(f"{label}: get", raw_get, get_s, total))
+        print(ratio_line(f"{label}: put+get", raw_put + raw_get, put_s + get_s, 2 * total))
+    print("cross process (a second process reads what this one wrote):")
+    for label, mode in MODES.items():
+        failed = int(cross[f"{mode} failed keys"])
+        note = f"  ({failed} of {len(GROUPS) * args.blocks} keys FAILED)" if failed else ""
+        print(ratio_line(f"{label}: get", cross["raw"], cross[mode], total) + note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
