@@ -34,7 +34,7 @@ from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVStats
 from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
-from hybridkv.integration.worker import WorkerSide, build_layouts
+from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts
 from hybridkv.keys import model_name
 from hybridkv.transport import TransferEngine, make_event
 
@@ -162,7 +162,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         engine = TransferEngine(self._pool.store, layouts, self.config.pipeline_options())
         device = self._vllm_config.device_config.device_type
         self._worker = WorkerSide(
-            self.keys, engine, self._strategy(engine, device), tp_rank, lambda: make_event(device)
+            self.keys,
+            engine,
+            self._strategy(engine, device),
+            tp_rank,
+            lambda: make_event(device),
+            block_copier(self.keys, kv_caches, self._kv_cache_config.num_blocks),
         )
         if tp_rank == 0:
             self._server = LookupServer(engine.batch_is_readable, self.config.lookup_port)

@@ -120,6 +120,9 @@ class VllmLayerwise:
         if loads and not self._hooks_fire and self._plan.state:
             self.strategy.wait_for_layer_load(max(self._plan.state, key=self.strategy.layer_of))
 
+    def wait_for_loads(self) -> None:
+        self.strategy.wait_all_loads()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         if layer_name in self._plan.windows:
             self.strategy.enter(layer_name)

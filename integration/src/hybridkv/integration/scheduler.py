@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.coordinator import Hit, Masks, marked_blocks
+from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
-from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,8 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.block_ids = [list(ids) for ids in new.block_ids]
                 done = new.num_computed_tokens + output.num_scheduled_tokens[new.req_id]
+                if new.req_id in step:
+                    self._plan_state_copies(step[new.req_id], tracked.block_ids, done)
                 self._plan_saves(tracked, done, state, step)
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
@@ -187,6 +189,25 @@ class SchedulerSide:
             done = cached.num_computed_tokens[index] + output.num_scheduled_tokens[request_id]
             self._plan_saves(tracked, done, state, step)
         return HybridKVMetadata(list(step.values()))
+
+    def _plan_state_copies(
+        self, transfers: RequestTransfers, block_ids: Sequence[list[int]], done: int
+    ) -> None:
+        """A loaded recurrent state must also sit where this step's kernel reads it.
+
+        vLLM copies the state from the block of the last computed token to the block of
+        the step's last token before any connector hook runs, so before our load.
+        """
+        if transfers.load_async:
+            return  # the copy happens in the first step after the load completed
+        for ref in transfers.loads:
+            plan = self.plan.groups[ref.group]
+            if not isinstance(plan.kind, RecurrentState):
+                continue
+            running = -(-done // plan.block_size) - 1
+            ids = block_ids[plan.vllm_group_id]
+            if running != ref.index and running < len(ids) and ids[running] != NULL_BLOCK_ID:
+                transfers.copies.append(StateCopy(ref.group, ref.block_id, ids[running]))
 
     def _plan_saves(
         self, tracked: _Tracked, done: int, state: Any, step: dict[str, RequestTransfers]

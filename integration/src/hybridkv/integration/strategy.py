@@ -44,6 +44,10 @@ class TransferStrategy(Protocol):
     def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
         """Before the forward: the loads it needs, the saves it completes."""
 
+    def wait_for_loads(self) -> None:
+        """Before the forward: every load of the step has landed (failures still reported
+        at `end_step`). Needed when the worker must touch loaded blocks itself."""
+
     def wait_for_layer_load(self, layer_name: str) -> None: ...
 
     def save_layer(self, layer_name: str) -> None: ...
@@ -78,6 +82,9 @@ class WholeBlocks:
     def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
         self._saves = list(saves)
         self._loaded = self.engine.load(loads).wait() if loads else TransferResult()
+
+    def wait_for_loads(self) -> None:
+        return None  # begin_step already waited
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

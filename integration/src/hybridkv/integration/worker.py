@@ -106,8 +106,10 @@ class WorkerSide:
         strategy: TransferStrategy,
         tp_rank: int,
         new_event: Callable[[], Event],
+        copy_block: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.keys = keys
+        self._copy_block = copy_block
         self.engine = engine
         self.strategy = strategy
         self.tp_rank = tp_rank
@@ -162,6 +164,7 @@ class WorkerSide:
         self.barrier()
         sync: list[BlockTransfer] = []
         saves: list[BlockTransfer] = []
+        copies = [copy for request in meta.requests for copy in request.copies]
         loaded_blocks = 0
         for request in meta.requests:
             loads = self._transfers(request.request_id, request.loads, writing=False)
@@ -179,9 +182,16 @@ class WorkerSide:
             fence.synchronize()
         try:
             self.strategy.begin_step(sync, saves)
+            if copies:
+                self.strategy.wait_for_loads()
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             self._record_load(all_failed(sync))
+            return
+        for copy in copies:
+            if self._copy_block is None:
+                raise RuntimeError("state copies planned but the worker has no caches to copy")
+            self._copy_block(copy.group, copy.src, copy.dst)
 
     def start_async_loads(self) -> None:
         """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
@@ -226,3 +236,19 @@ class WorkerSide:
         self._async_loads.clear()
         self._async_waiting.clear()
         self.engine.close()
+
+
+def block_copier(
+    keys: KeySpace, kv_caches: Mapping[str, Any], num_blocks: int
+) -> Callable[[int, int, int], None]:
+    """Copies one local block of every cache of a plan group (stream-ordered on GPUs)."""
+
+    def copy_block(group: int, src: int, dst: int) -> None:
+        for name in keys.plan.groups[group].layer_names:
+            cache = kv_caches[name]
+            for part in cache if isinstance(cache, list | tuple) else (cache,):
+                if part.shape[0] != num_blocks:  # [2, num_blocks, ...]: K and V
+                    part = part.transpose(0, 1)
+                part[dst].copy_(part[src])
+
+    return copy_block

