@@ -122,3 +122,40 @@ def test_saves_complete_blocks_once_and_skip_null_blocks(vllm_specs: Any) -> Non
     # Decode past the prompt saves nothing more.
     meta = side.build_meta(scheduler_output(cached=[("r", 200, 1)], tables={"r": step2}))
     assert meta.requests == []
+
+
+def test_loaded_recurrent_state_is_moved_to_the_block_the_step_writes(vllm_specs: Any) -> None:
+    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
+    side, pool = _side(vllm_specs, kinds, ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0, 1], 192)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (192, False)
+    tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
+    side.after_alloc(request("r", TOKENS), tables, 192)
+    (transfers,) = side.build_meta(scheduler_output(new=[("r", tables, 192, 8)])).requests
+    assert [(ref.group, ref.index) for ref in transfers.loads if ref.group == 1] == [(1, 5)]
+    # vLLM moved block 5's (not yet loaded) state to block 6 before the step: repeat it
+    assert [(c.group, c.src, c.dst) for c in transfers.copies] == [(1, 25, 26)]
+
+
+def test_consumer_role_neither_loads_nor_saves_unless_told(vllm_specs: Any) -> None:
+    kinds = [(["a"], attention(vllm_specs))]
+    plan = plan_groups(groups(vllm_specs, *kinds), [0], ModelShape(1, 2))
+    pool = Pool()
+    _store(
+        SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(), pool.query),
+        pool,
+        TOKENS,
+        [0, 1],
+        192,
+    )
+    for config, expect_load, expect_save in [
+        (ConnectorConfig(), False, False),
+        (ConnectorConfig(consumer_is_to_load=True, consumer_is_to_put=True), True, True),
+    ]:
+        side = SchedulerSide(KeySpace(plan, "tiny"), config, pool.query, "kv_consumer")
+        hit = side.num_new_matched_tokens(request("r", TOKENS), 0)
+        assert hit == ((192, False) if expect_load else (0, False))
+        side.forget("r")
+        side.num_new_matched_tokens(request("s", TOKENS[:100]), 0)
+        meta = side.build_meta(scheduler_output(new=[("s", ([1, 2, 3, 4],), 0, 100)]))
+        assert bool(meta.requests) == expect_save

@@ -7,6 +7,7 @@ digest) from `kv_cache_config`, so they agree on every key without talking about
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -175,6 +176,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 path = rendezvous_path(self._instance)
                 publish_port(path, self._server.port)
                 self._pool.files.append(path)
+                atexit.register(path.unlink, missing_ok=True)  # if vLLM never calls shutdown
 
     def _strategy(self, engine: TransferEngine, device: str) -> TransferStrategy:
         if self.config.use_layerwise:
