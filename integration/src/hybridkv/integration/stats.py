@@ -38,7 +38,7 @@ class HybridKVStats(KVConnectorStats):
     """Counters since the last snapshot; every value is summed across ranks and steps."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
