@@ -18,6 +18,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ class Step(msgspec.Struct, kw_only=True):
     max_tokens: int = 4
     logprobs: int = 5
     snapshot_keys: bool = False  # list the pool's keys once the stores have settled
+    # drop the local prefix cache before each prompt, so only the connector can give hits
+    reset_prefix_cache: bool = True
 
 
 class InstanceSpec(msgspec.Struct, kw_only=True):
@@ -131,8 +134,14 @@ def _stop_group(child: subprocess.Popen[bytes]) -> None:
     child.wait()
 
 
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+_GLOG_LINE = re.compile(r"^[IWEF]\d{4} ")  # Mooncake's chatter, noise in a failure report
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    kept = [
+        line for line in path.read_text(errors="replace").splitlines() if not _GLOG_LINE.match(line)
+    ]
+    return "\n".join(kept[-lines:])
 
 
 def list_pool_keys(master_http: str) -> list[str]:
@@ -176,7 +185,8 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=step.max_tokens, logprobs=step.logprobs)
-    llm.reset_prefix_cache()
+    if step.reset_prefix_cache:
+        llm.reset_prefix_cache()
     hits_before = _external_hits(llm)
     started = time.perf_counter()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)

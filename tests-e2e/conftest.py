@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import tinymodels
-from scenario import COLD_PROMPTS, MAX_NUM_BATCHED_TOKENS, MODELS, Reference
+from scenario import COLD_PROMPTS, MAX_NUM_BATCHED_TOKENS, MODELS, Reference, Surgeon
 from vllm_instance import InstanceSpec, Step, run_instance
 
 from hybridkv.transport import MasterProcess, MooncakeConfig, MooncakeStore, SegmentHolder
@@ -34,7 +34,7 @@ class Pool:
     def __init__(self, master: MasterProcess, config_path: Path, store: MooncakeStore):
         self.master = master
         self.config_path = config_path
-        self.store = store
+        self.surgeon = Surgeon(store, self.http)
 
     @property
     def http(self) -> str:

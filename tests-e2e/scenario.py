@@ -116,17 +116,21 @@ def object_size(master_http: str, key: str) -> int:
 
 
 class Surgeon:
-    """Reads, overwrites and removes stored objects through the store API."""
+    """Reads, overwrites and removes stored objects through the store API.
 
-    def __init__(self, store: MooncakeStore, master_http: str) -> None:
+    One per session: its scratch buffer is registered with the client once (registering a
+    range that overlaps a registered one is refused).
+    """
+
+    def __init__(self, store: MooncakeStore, master_http: str, capacity: int = 16 << 20):
         self._store = store
         self._http = master_http
-        self._buffer = np.zeros(0, dtype=np.uint8)
+        self._buffer = np.zeros(capacity, dtype=np.uint8)
+        store.register_buffer(self._buffer.ctypes.data, capacity)
 
     def _scratch(self, size: int) -> np.ndarray:
-        if self._buffer.size < size:
-            self._buffer = np.zeros(max(size, 1 << 20), dtype=np.uint8)
-            self._store.register_buffer(self._buffer.ctypes.data, self._buffer.size)
+        if size > self._buffer.size:
+            raise ValueError(f"object of {size} B exceeds the {self._buffer.size} B scratch")
         return self._buffer
 
     def read(self, key: str) -> bytes:

@@ -25,7 +25,6 @@ from scenario import (
     READER_PROMPTS,
     WRITER_STEPS,
     Reference,
-    Surgeon,
     group_of,
     logprob_gap,
 )
@@ -54,19 +53,28 @@ class Exchange:
     unreadable_after_writer_exit: list[str]
 
 
-class _Exchanges(dict[tuple[str, str, str, str], Exchange]):
-    """Each (model, writer, reader, multiprocessing) exchange runs once per session."""
+Case = tuple[str, str, str, str]  # model, writer mode, reader mode, multiprocessing
+
+
+class _Exchanges:
+    """Each exchange runs once per session; a failed one fails every test that uses it."""
 
     def __init__(self, pool: Pool, references: dict[str, Reference], runs: Path) -> None:
-        super().__init__()
         self._pool = pool
         self._references = references
         self._runs = runs
+        self._done: dict[Case, Exchange | Exception] = {}
 
-    def __missing__(self, case: tuple[str, str, str, str]) -> Exchange:
-        exchange = self._run(*case)
-        self[case] = exchange
-        return exchange
+    def __getitem__(self, case: Case) -> Exchange:
+        if case not in self._done:
+            try:
+                self._done[case] = self._run(*case)
+            except Exception as error:
+                self._done[case] = error
+        outcome = self._done[case]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def _spec(self, model: str, namespace: str, mode: str, steps: list[Step]) -> InstanceSpec:
         return InstanceSpec(
@@ -97,9 +105,12 @@ class _Exchanges(dict[tuple[str, str, str, str], Exchange]):
             after = set(step.keys)
             writer_keys[step_name] = sorted(after - before)
             before = after
+        empty = [step for step, keys in writer_keys.items() if not keys]
+        if empty:  # nothing to tamper with: the controls below would prove nothing
+            raise AssertionError(f"writer steps {empty} stored no new object")
 
         # The writer has exited: everything it stored must still be readable.
-        surgeon = Surgeon(self._pool.store, self._pool.http)
+        surgeon = self._pool.surgeon
         unreadable = []
         for key in (k for keys in writer_keys.values() for k in keys):
             try:
@@ -153,8 +164,7 @@ def test_writer_objects_outlive_the_writer(
     exchanges: _Exchanges, model: str, writer: str, reader: str, multiproc: str
 ) -> None:
     exchange = exchanges[(model, writer, reader, multiproc)]
-    stored = {step: len(keys) for step, keys in exchange.writer_keys.items()}
-    assert all(stored.values()), f"a writer step stored nothing: {stored}"
+    assert all(exchange.writer_keys.values())
     assert not exchange.unreadable_after_writer_exit
 
 
