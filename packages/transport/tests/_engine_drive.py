@@ -15,8 +15,9 @@ from hybridkv.transport.pipeline import PipelineOptions
 from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
 
-# "whole": save()/load(); "layer"/"group": layerwise steps at that granularity.
-MODES = ("whole", "layer", "group")
+# "whole": save()/load() (default, staged); "staged"/"layer"/"group": layerwise steps at
+# that granularity.
+MODES = ("whole", "staged", "layer", "group")
 
 
 def unique_prefix() -> str:
@@ -25,7 +26,7 @@ def unique_prefix() -> str:
 
 
 def engine_for(store: Store, caches: Caches, mode: str, **options: int) -> TransferEngine:
-    granularity = "group" if mode == "group" else "layer"
+    granularity = "staged" if mode == "whole" else mode
     return TransferEngine(
         store, caches.layouts, PipelineOptions(granularity=granularity, **options)
     )

@@ -16,7 +16,7 @@ from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.ownership import BlockTransfer
-from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.pipeline import Granularity, PipelineOptions
 
 LAYERS = 12
 BLOCK = 256
@@ -43,15 +43,18 @@ def saves(count: int, prefix: str) -> list[BlockTransfer]:
 
 
 def test_options_are_validated() -> None:
-    with pytest.raises(ValueError, match="backlog must be >= 1"):
-        PipelineOptions(backlog=0)
+    with pytest.raises(ValueError, match="backlog must be >= 0"):
+        PipelineOptions(backlog=-1)
+    with pytest.raises(ValueError, match="staging_bytes must be >= 0"):
+        PipelineOptions(staging_bytes=-1)
     with pytest.raises(ValueError, match="max_transfer_bytes must be >= 0"):
         PipelineOptions(max_transfer_bytes=-1)
     with pytest.raises(ValueError, match="granularity"):
         PipelineOptions(granularity="block")  # type: ignore[arg-type]
     assert PipelineOptions() == PipelineOptions(
-        backlog=8, prefetch_layers=2, max_transfer_blocks=0, max_transfer_bytes=0
-    )
+        backlog=8, prefetch_layers=2, max_transfer_blocks=0, max_transfer_bytes=0,
+        granularity="staged", staging_bytes=256 << 20,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="max_transfer_pieces must be >= 0"):
         PipelineOptions(max_transfer_pieces=-1)
 
@@ -103,6 +106,22 @@ def test_backlog_never_exceeds_its_bound(memory: np.ndarray) -> None:
         assert engine.backlog.outstanding == 0
 
 
+@pytest.mark.parametrize("granularity", ["staged", "layer"])
+def test_backlog_zero_leaves_no_save_outstanding_at_a_checkpoint(
+    memory: np.ndarray, granularity: Granularity
+) -> None:
+    store = RecordingStore(put_delay_s=0.01)
+    options = PipelineOptions(backlog=0, granularity=granularity)
+    with TransferEngine(store, [deep_layout(memory)], options) as engine:
+        step = engine.begin_layerwise(saves=saves(4, unique_prefix()))
+        for layer in range(LAYERS):
+            step.save_layer(layer, CpuEvent())
+            step.checkpoint()
+            assert engine.backlog.outstanding == 0
+        assert step.finish().ok
+        assert engine.backlog.peak == 1  # one save at a time, drained at each checkpoint
+
+
 def test_a_save_never_reads_a_layer_before_its_event(memory: np.ndarray) -> None:
     store = RecordingStore()
     prefix = unique_prefix()
@@ -128,7 +147,7 @@ def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> 
     layout = deep_layout(memory)
     with TransferEngine(store, [layout]) as engine:
         engine.save(saves(3, prefix)).wait(timeout=10)
-        options = PipelineOptions(prefetch_layers=2)
+        options = PipelineOptions(prefetch_layers=2, granularity="layer")
         with TransferEngine(store, [layout], options) as reader:
             step = reader.begin_layerwise(loads=saves(3, prefix))
             deadline = time.monotonic() + 5
@@ -147,7 +166,9 @@ def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> 
 
 def test_large_batches_are_split_by_blocks_and_bytes(memory: np.ndarray) -> None:
     store = RecordingStore()
-    options = PipelineOptions(max_transfer_blocks=4, max_transfer_bytes=3 * BLOCK)
+    options = PipelineOptions(
+        max_transfer_blocks=4, max_transfer_bytes=3 * BLOCK, granularity="layer"
+    )
     with TransferEngine(store, [deep_layout(memory)], options) as engine:
         step = engine.begin_layerwise(saves=saves(10, unique_prefix()))
         for layer in range(LAYERS):
@@ -160,7 +181,7 @@ def test_large_batches_are_split_by_blocks_and_bytes(memory: np.ndarray) -> None
 def test_close_drains_every_queued_transfer_and_stops_its_threads(memory: np.ndarray) -> None:
     store = RecordingStore(put_delay_s=0.005)
     prefix = unique_prefix()
-    engine = TransferEngine(store, [deep_layout(memory)])
+    engine = TransferEngine(store, [deep_layout(memory)], PipelineOptions(granularity="layer"))
     tickets = [engine.save(saves(16, f"{prefix}-{i}")) for i in range(5)]
     step = engine.begin_layerwise(saves=saves(16, f"{prefix}-step"))
     for layer in range(LAYERS - 1):  # the last layer never comes: the step is revoked

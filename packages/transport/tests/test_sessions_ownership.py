@@ -6,6 +6,7 @@ import pytest
 from _engine_drive import MODES, engine_for, load, read_object, save, unique_prefix
 from _engine_model import NUM_LAYERS, Caches, transfers
 
+from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.ownership import BlockTransfer
@@ -55,13 +56,42 @@ def test_a_rider_finishes_only_when_the_write_it_waits_for_settles() -> None:
     prefix = unique_prefix()
     with engine_for(store, caches, "layer") as engine:
         step = engine.begin_layerwise(saves=transfers({0: [0]}, "a", prefix))
-        riding = engine.save(transfers({0: [2]}, "b", prefix)).wait(timeout=10)
-        assert riding.bytes == 0  # b wrote nothing: a owns the write
+        ticket = engine.save(transfers({0: [2]}, "b", prefix))
+        with pytest.raises(TimeoutError, match="riding"):
+            ticket.wait(timeout=0.2)
+        assert not ticket.done
         assert engine.poll_finished() == (set(), set())  # and b waits for a's commit
         for layer in range(NUM_LAYERS):
             step.save_layer(layer, CpuEvent())
         assert step.finish().ok
+        riding = ticket.wait(timeout=10)
+        assert riding.ok
+        assert riding.bytes == 0  # b wrote nothing: a owns the write
         assert engine.poll_finished()[0] == {"a", "b"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rider_sees_the_failure_of_the_write_it_rode_on(mode: str) -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=4, seed=7)
+    caches.fill()
+    prefix = unique_prefix()
+    writer_saves = transfers({0: [0, 1]}, "a", prefix)
+    failing = writer_saves[1].key
+    store.fail_next(
+        "put_ranges" if mode == "layer" else "batch_put_whole", [failing], Status.NO_SPACE
+    )
+    with engine_for(store, caches, mode) as engine:
+        step = engine.begin_layerwise(saves=writer_saves)
+        ticket = engine.save(transfers({0: [3, 2]}, "b", prefix))  # rides on both keys
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        written = step.finish()
+        riding = ticket.wait(timeout=10)
+    assert written.failed_keys == [failing]
+    assert riding.failed_keys == [failing]
+    assert riding.failed_blocks == {0: {2}}  # b's own local block, not a's
+    assert store.batch_is_readable([t.key for t in writer_saves]) == [True, False]
 
 
 def test_an_owner_cannot_change_its_key() -> None:

@@ -31,22 +31,38 @@ from hybridkv.transport.sessions import (
     RangedReads,
     RangedWrites,
     Reads,
+    StagedReads,
+    StagedWrites,
     TransferResult,
     WholeReads,
     WholeWrites,
     Writes,
     group_batches,
 )
+from hybridkv.transport.staging import StagingPool
 from hybridkv.transport.store import Store
 
 log = logging.getLogger(__name__)
 
-_WRITES: dict[str, type[Writes]] = {"layer": RangedWrites, "group": WholeWrites}
-_READS: dict[str, type[Reads]] = {"layer": RangedReads, "group": WholeReads}
+# Layerwise steps and whole-object save/load, per granularity.
+_WRITES: dict[str, type[Writes]] = {
+    "staged": StagedWrites, "layer": RangedWrites, "group": WholeWrites
+}  # fmt: skip
+_READS: dict[str, type[Reads]] = {"staged": StagedReads, "layer": RangedReads, "group": WholeReads}
+_WHOLE_WRITES: dict[str, type[WholeWrites]] = {
+    "staged": StagedWrites, "layer": WholeWrites, "group": WholeWrites
+}  # fmt: skip
+_WHOLE_READS: dict[str, type[Reads]] = {
+    "staged": StagedReads, "layer": WholeReads, "group": WholeReads
+}  # fmt: skip
 
 
 class Ticket:
-    """A transfer running in the background; `wait()` returns its result or raises."""
+    """A transfer running in the background; `wait()` returns its result or raises.
+
+    Saves that ride on another transfer's write of the same key complete when that write
+    settles, and carry its failure.
+    """
 
     def __init__(self, jobs: Sequence[Job], outcomes: Sequence[Outcome]) -> None:
         self._jobs = list(jobs)
@@ -54,28 +70,44 @@ class Ticket:
 
     @property
     def done(self) -> bool:
-        return all(job.done for job in self._jobs)
+        """True once every job ran and every write this rides on settled."""
+        jobs_done = all(job.done for job in self._jobs)
+        return jobs_done and not any(outcome.riding for outcome in self._outcomes)
 
     def wait(self, timeout: float | None = None) -> TransferResult:
         for job in self._jobs:
             job.wait(timeout)
         result = TransferResult()
         for outcome in self._outcomes:
+            outcome.wait_riders(timeout)
             result = result.merged(outcome.result())
         return result
 
 
 class TransferEngine:
-    """Saves and loads the per-block objects of the given groups through `store`."""
+    """Saves and loads the per-block objects of the given groups through `store`.
+
+    `device` says where the caches live. Staged transfers copy them with the host CPU, so
+    they need "cpu"; caches on a device use granularity "layer" or "group".
+    """
 
     def __init__(
         self,
         store: Store,
         layouts: Sequence[GroupLayout],
         options: PipelineOptions | None = None,
+        device: str = "cpu",
     ) -> None:
         self.store = store
         self.options = options if options is not None else PipelineOptions()
+        self.device = device
+        staged = self.options.granularity == "staged"
+        if staged and device.split(":", 1)[0].lower() != "cpu":
+            raise ValueError(
+                f"granularity 'staged' copies KV with the host CPU, but the caches are on "
+                f"{device!r}: use PipelineOptions(granularity='layer') (RDMA) or 'group'"
+            )
+        self.staging = StagingPool(store, self.options.staging_bytes) if staged else None
         self.layouts: dict[int, GroupLayout] = {}
         for layout in layouts:
             if layout.group_id in self.layouts:
@@ -97,8 +129,12 @@ class TransferEngine:
         """Write whole objects after `ready`; keys the pool already holds are skipped."""
         self._check(transfers)
         claim, outcome = self._claim(transfers)
-        writes = WholeWrites(
-            self.store, self.options, group_batches(self.layouts, claim.write), outcome
+        writes = _WHOLE_WRITES[self.options.granularity](
+            self.store,
+            self.options,
+            group_batches(self.layouts, claim.write),
+            outcome,
+            self.staging,
         )
 
         def work() -> None:
@@ -108,22 +144,28 @@ class TransferEngine:
                 writes.prepare()
                 writes.write_all()
             finally:
+                writes.unstage()
                 self._settle(claim, writes)
 
         return Ticket([self._sender.submit(work)], [outcome])
 
-    def load(self, transfers: Sequence[BlockTransfer]) -> Ticket:
-        """Read whole objects into local blocks; failures name the local blocks."""
+    def load(self, transfers: Sequence[BlockTransfer], ready: Event | None = None) -> Ticket:
+        """Read whole objects into local blocks after `ready`; failures name the blocks."""
         self._check(transfers)
         outcome = Outcome()
-        reads = WholeReads(
-            self.store, self.options, group_batches(self.layouts, transfers), outcome
+        reads = _WHOLE_READS[self.options.granularity](
+            self.store,
+            self.options,
+            group_batches(self.layouts, transfers),
+            outcome,
+            self.staging,
         )
+        reads.ready = ready
         self._tracker.begin("load", _requests(transfers))
 
         def work() -> None:
             try:
-                reads.read_groups(list(reads.batches.values()))
+                reads.read_all()
             finally:
                 self._tracker.end("load", _requests(transfers))
 
@@ -132,12 +174,19 @@ class TransferEngine:
     # -- layer by layer ---------------------------------------------------------------
 
     def begin_layerwise(
-        self, loads: Sequence[BlockTransfer] = (), saves: Sequence[BlockTransfer] = ()
+        self,
+        loads: Sequence[BlockTransfer] = (),
+        saves: Sequence[BlockTransfer] = (),
+        ready: Event | None = None,
     ) -> LayerwiseStep:
-        """Start one forward step's transfers: prefetch loads, open saves."""
+        """Start one forward step's transfers: prefetch loads, open saves.
+
+        Loads write the caches only after `ready` (earlier work on the compute stream, e.g.
+        vLLM zeroing new blocks); `wait_layer_loaded(layer, ready)` moves that point on.
+        """
         self._check(loads)
         self._check(saves)
-        step = LayerwiseStep(self, loads, saves)
+        step = LayerwiseStep(self, loads, saves, ready)
         with self._lock:
             self._steps.add(step)
         return step
@@ -226,8 +275,8 @@ class TransferEngine:
             self.layouts[group].check_blocks(blocks)
 
     def _claim(self, transfers: Sequence[BlockTransfer]) -> tuple[Claim, Outcome]:
-        claim = self._ownership.claim(transfers)
         outcome = Outcome()
+        claim = self._ownership.claim(transfers, outcome)
         self._tracker.begin("save", _requests(transfers))
         outcome.skipped(transfer.key for transfer in claim.done)
         self._tracker.end("save", _requests(claim.done))
@@ -236,8 +285,14 @@ class TransferEngine:
     def _settle(self, claim: Claim, writes: Writes) -> None:
         """Release the writers' and riders' counts whatever happened to the writes."""
         for transfer in claim.write:
-            riders = self._ownership.settle(transfer.key, transfer.key in writes.committed)
-            self._tracker.end("save", [transfer.request_id, *riders])
+            committed = transfer.key in writes.committed
+            riders = self._ownership.settle(transfer.key, committed)
+            rider_requests = [rider.transfer.request_id for rider in riders]
+            self._tracker.end("save", [transfer.request_id, *rider_requests])
+            for rider in riders:
+                rider.outcome.rode(
+                    rider.transfer.group, transfer.key, rider.transfer.local_block, committed
+                )
 
     def _forget_step(self, step: LayerwiseStep) -> None:
         with self._lock:
@@ -257,13 +312,19 @@ class LayerwiseStep:
         engine: TransferEngine,
         loads: Sequence[BlockTransfer],
         saves: Sequence[BlockTransfer],
+        ready: Event | None = None,
     ) -> None:
         self._engine = engine
         options = engine.options
         self._load_outcome = Outcome()
         self._reads = _READS[options.granularity](
-            engine.store, options, group_batches(engine.layouts, loads), self._load_outcome
+            engine.store,
+            options,
+            group_batches(engine.layouts, loads),
+            self._load_outcome,
+            engine.staging,
         )
+        self._reads.ready = ready
         self._loads = list(loads)
         self._claim, self._save_outcome = engine._claim(saves)
         self._writes = _WRITES[options.granularity](
@@ -271,6 +332,7 @@ class LayerwiseStep:
             options,
             group_batches(engine.layouts, self._claim.write),
             self._save_outcome,
+            engine.staging,
         )
         self._save_layers = self._writes.layers
         self._saved: set[int] = set()
@@ -283,12 +345,15 @@ class LayerwiseStep:
             self._schedule_reads(options.prefetch_layers + 1)
         self._jobs.append(engine._sender.submit(self._writes.prepare))
 
-    def wait_layer_loaded(self, layer: int) -> dict[int, set[int]]:
+    def wait_layer_loaded(self, layer: int, ready: Event | None = None) -> dict[int, set[int]]:
         """Block until every load this layer needs is done; returns failed local blocks.
 
         The failed blocks (group -> local blocks, cumulative) hold no valid KV: the caller
-        must not use them and reports them to vLLM for recomputation.
+        must not use them and reports them to vLLM for recomputation. `ready`, if given,
+        is the caches' current ready point: loads that have not written yet wait for it.
         """
+        if ready is not None:
+            self._reads.ready = ready
         needed = bisect.bisect_right(self._reads.layers, layer)
         self._schedule_reads(needed + self._engine.options.prefetch_layers)
         if needed:
@@ -337,12 +402,14 @@ class LayerwiseStep:
             try:
                 self._reads.end()
             finally:
+                self._reads.unstage()
                 engine._tracker.end("load", _requests(self._loads))
 
         def end_writes() -> None:
             try:
                 self._writes.abort()
             finally:
+                self._writes.unstage()
                 engine._settle(self._claim, self._writes)
 
         self._jobs.append(engine._receiver.submit(end_reads))
@@ -353,6 +420,10 @@ class LayerwiseStep:
                 job.wait()
             except BaseException as exc:
                 errors.append(exc)
+        try:
+            self._save_outcome.wait_riders()
+        except BaseException as exc:
+            errors.append(exc)
         engine._forget_step(self)
         self._finished = self._load_outcome.result().merged(self._save_outcome.result())
         if errors:

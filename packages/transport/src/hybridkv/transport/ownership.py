@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -49,6 +49,21 @@ class Claim(msgspec.Struct, frozen=True):
     done: list[BlockTransfer]
 
 
+class Rider:
+    """A save waiting on another transfer's write of the same key, and where to report."""
+
+    __slots__ = ("outcome", "transfer")
+
+    def __init__(self, transfer: BlockTransfer, outcome: RideOutcome) -> None:
+        self.transfer, self.outcome = transfer, outcome
+
+
+class RideOutcome(Protocol):
+    def ride(self, count: int) -> None: ...
+
+    def rode(self, group: int, key: str, block: int, committed: bool) -> None: ...
+
+
 class Ownership:
     """The owners of keys written by this engine, thread-safe."""
 
@@ -56,9 +71,10 @@ class Ownership:
         self._lock = threading.Lock()
         self._owned: dict[OwnerId, OwnedBlock] = {}
         self._owners_of: dict[str, set[OwnerId]] = {}
-        self._riders: dict[str, list[str]] = {}  # key being written -> waiting request ids
+        self._riders: dict[str, list[Rider]] = {}  # key being written -> saves waiting on it
 
-    def claim(self, transfers: Sequence[BlockTransfer]) -> Claim:
+    def claim(self, transfers: Sequence[BlockTransfer], outcome: RideOutcome) -> Claim:
+        """Split saves; riders are registered to learn the fate of the write into `outcome`."""
         write: list[BlockTransfer] = []
         ride: list[BlockTransfer] = []
         done: list[BlockTransfer] = []
@@ -81,15 +97,16 @@ class Ownership:
                 else:
                     owned.local_block = transfer.local_block
                 if transfer.key in self._riders:
-                    self._riders[transfer.key].append(transfer.request_id)
+                    self._riders[transfer.key].append(Rider(transfer, outcome))
                     ride.append(transfer)
                 else:
                     self._riders[transfer.key] = []
                     write.append(transfer)
+            outcome.ride(len(ride))
         return Claim(write=write, ride=ride, done=done)
 
-    def settle(self, key: str, committed: bool) -> list[str]:
-        """Record the fate of a write; returns the request ids that rode on it.
+    def settle(self, key: str, committed: bool) -> list[Rider]:
+        """Record the fate of a write; returns the saves that rode on it.
 
         A failed write forgets its owners so that a later step may try again.
         """

@@ -1,11 +1,15 @@
 """Put and get sessions of one batch of objects: which store calls move which bytes.
 
-Two granularities answer the same questions (open, move a layer, commit, drop):
+Three granularities answer the same questions (open, move a layer, commit, drop):
+- staged: each object is assembled in registered host staging memory (a memcpy per layer
+  as the layer becomes ready) and moves as ONE piece per key, put once all of the group's
+  layers are staged; reads fetch whole objects into staging at once and copy each layer
+  out when it is needed;
 - ranged: put/get sessions; each layer's byte ranges move on their own, a group commits
   once all of its own layers were written; nothing is readable before the commit;
-- whole: each group's objects move in one multi-buffer call, written once all of the
-  group's layers are ready and read before its first layer is needed.
-Both place every entry at the same offset, so either reads what the other wrote. A failed
+- whole: each group's objects move in one multi-buffer call (one piece per layer), written
+  once all of the group's layers are ready and read before its first layer is needed.
+All place every entry at the same offset, so each reads what the others wrote. A failed
 key is dropped (its open session revoked) without touching other keys or groups.
 """
 
@@ -21,9 +25,11 @@ import msgspec
 import numpy as np
 
 from hybridkv.transport.errors import Status, StoreError
+from hybridkv.transport.events import Event
 from hybridkv.transport.layout import BlockIds, GroupLayout, Ranges
 from hybridkv.transport.ownership import BlockTransfer
 from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.staging import Bytes, Slab, StagingPool, host_view
 from hybridkv.transport.store import Store
 
 log = logging.getLogger(__name__)
@@ -61,9 +67,33 @@ class Outcome:
     """The result of one direction of a transfer as it builds up on a worker thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._result = TransferResult()
         self._started = time.perf_counter()
+        self._riding = 0  # saves riding on another transfer's write of the same key
+
+    def ride(self, count: int) -> None:
+        with self._lock:
+            self._riding += count
+
+    def rode(self, group: int, key: str, block: int, committed: bool) -> None:
+        """The write this outcome rode on settled: its failure is this outcome's too."""
+        with self._lock:
+            if not committed:
+                self._result.failed_keys.append(key)
+                self._result.failed_blocks.setdefault(group, set()).add(block)
+            self._riding -= 1
+            self._lock.notify_all()
+
+    @property
+    def riding(self) -> bool:
+        with self._lock:
+            return self._riding > 0
+
+    def wait_riders(self, timeout: float | None = None) -> None:
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._riding <= 0, timeout):
+                raise TimeoutError(f"saves riding on other writes unsettled after {timeout} s")
 
     def moved(self, nbytes: int) -> None:
         with self._lock:
@@ -99,12 +129,57 @@ class GroupBatch:
             [transfer.local_block for transfer in transfers], dtype=np.int64
         )
         self.alive = np.ones(len(transfers), dtype=bool)
+        self.segments: list[Segment] = []  # staged runs of rows (empty: not staged)
+        self._views: dict[int, Bytes] = {}
 
     def live(self) -> Rows:
         return np.flatnonzero(self.alive)
 
     def keys_of(self, rows: Iterable[int]) -> list[str]:
         return [self.keys[row] for row in rows]
+
+    def stage(self, pool: StagingPool) -> None:
+        """Give runs of rows a slab each (at most the pool's size); no room: unstaged."""
+        count, width = len(self.keys), self.layout.object_size
+        per_slab = max(1, pool.capacity // width)
+        for start in range(0, count, per_slab):
+            stop = min(count, start + per_slab)
+            self.segments.append(Segment(start, stop, pool.allocate(stop - start, width)))
+
+    def unstage(self, pool: StagingPool) -> None:
+        for segment in self.segments:
+            if segment.slab is not None:
+                pool.free(segment.slab)
+        self.segments = []
+
+    def copy_layer(self, layer: int, into_staging: bool) -> None:
+        """Copy one layer of the live staged rows between the caches and their slabs."""
+        for index in self.layout.entries_of_layer(layer):
+            entry = self.layout.entries[index]
+            view = self._views.get(index)
+            if view is None:
+                view = self._views[index] = host_view(entry, self.blocks)
+            start = self.layout.offset_of(index)
+            stop = start + entry.block_bytes
+            for segment in self.segments:
+                if segment.slab is None:
+                    continue
+                rows = np.flatnonzero(self.alive[segment.start : segment.stop])
+                staged = segment.slab.array[:, start:stop]
+                blocks = self.blocks[segment.start + rows]
+                if into_staging:
+                    staged[rows] = view[blocks]
+                else:
+                    view[blocks] = staged[rows]
+
+
+class Segment:
+    """Rows [start, stop) of a group batch and the slab staging them (None: unstaged)."""
+
+    __slots__ = ("slab", "start", "stop")
+
+    def __init__(self, start: int, stop: int, slab: Slab | None) -> None:
+        self.start, self.stop, self.slab = start, stop, slab
 
 
 def group_batches(
@@ -140,6 +215,17 @@ class Call:
         self.pieces.extend([len(ranges.sizes)] * count)
         self.rows.extend((batch, int(row)) for row in rows)
 
+    def add_staged(self, batch: GroupBatch, rows: Rows, segment: Segment, slab: Slab) -> None:
+        """One piece per key: the object's row of the slab."""
+        count, width = len(rows), batch.layout.object_size
+        self.keys.extend(batch.keys_of(rows))
+        self.ptrs.extend([address] for address in slab.row_addresses(rows - segment.start))
+        self.sizes.extend([[width]] * count)
+        self.offsets.extend([[0]] * count)
+        self.nbytes.extend([width] * count)
+        self.pieces.extend([1] * count)
+        self.rows.extend((batch, int(row)) for row in rows)
+
 
 StoreCall = Callable[[slice], list[Status]]
 
@@ -153,11 +239,25 @@ class Transfers:
         options: PipelineOptions,
         batches: dict[int, GroupBatch],
         outcome: Outcome,
+        pool: StagingPool | None = None,
     ) -> None:
         self.store = store
         self.options = options
         self.batches = batches
         self.outcome = outcome
+        self.pool = pool
+
+    def stage(self) -> None:
+        """Give every batch staging slabs where the pool has room (staged modes only)."""
+        if self.pool is not None:
+            for batch in self.batches.values():
+                batch.stage(self.pool)
+
+    def unstage(self, batches: Iterable[GroupBatch] | None = None) -> None:
+        """Hand slabs back to the pool; safe to call more than once."""
+        if self.pool is not None:
+            for batch in self.batches.values() if batches is None else batches:
+                batch.unstage(self.pool)
 
     def issue(self, call: Call, operation: str, send: StoreCall) -> list[tuple[GroupBatch, int]]:
         """Run `send` over the limit-sized slices of `call`; returns the rows that failed."""
@@ -196,9 +296,17 @@ class Transfers:
         return call
 
     def whole_call(self, batches: Iterable[GroupBatch]) -> Call:
+        """Whole objects: one piece per staged key, one piece per entry otherwise."""
         call = Call()
         for batch in batches:
-            call.add(batch, batch.live(), batch.layout.whole)
+            if not batch.segments:
+                call.add(batch, batch.live(), batch.layout.whole)
+            for segment in batch.segments:
+                live = segment.start + np.flatnonzero(batch.alive[segment.start : segment.stop])
+                if segment.slab is None:
+                    call.add(batch, live, batch.layout.whole)
+                else:
+                    call.add_staged(batch, live, segment, segment.slab)
         return call
 
 
@@ -211,8 +319,9 @@ class Writes(Transfers, ABC):
         options: PipelineOptions,
         batches: dict[int, GroupBatch],
         outcome: Outcome,
+        pool: StagingPool | None = None,
     ) -> None:
-        super().__init__(store, options, batches, outcome)
+        super().__init__(store, options, batches, outcome, pool)
         self._missing = {group: set(batch.layout.layers) for group, batch in batches.items()}
         self.committed: set[str] = set()
 
@@ -385,9 +494,28 @@ class WholeWrites(Writes):
 
 
 class Reads(Transfers, ABC):
-    """A batch of loads, scheduled at `layers` (ascending)."""
+    """A batch of loads, scheduled at `layers` (ascending).
+
+    `ready` is the latest event after which the caches may be written (earlier compute on
+    the device must not race the load's writes); every call that writes them waits for it.
+    """
 
     layers: list[int]
+    ready: Event | None = None
+
+    def read_all(self) -> None:
+        """Non-layerwise load: every layer now."""
+        try:
+            self.start()
+            for layer in self.layers:
+                self.read_layer(layer)
+        finally:
+            self.end()
+
+    def caches_writable(self) -> None:
+        ready = self.ready
+        if ready is not None:
+            ready.synchronize()
 
     @abstractmethod
     def start(self) -> None: ...
@@ -412,8 +540,9 @@ class RangedReads(Reads):
         options: PipelineOptions,
         batches: dict[int, GroupBatch],
         outcome: Outcome,
+        pool: StagingPool | None = None,
     ) -> None:
-        super().__init__(store, options, batches, outcome)
+        super().__init__(store, options, batches, outcome, pool)
         self.layers = sorted({layer for b in batches.values() for layer in b.layout.layers})
         self._pinned: list[str] = []
 
@@ -437,6 +566,8 @@ class RangedReads(Reads):
 
     def read_layer(self, layer: int) -> None:
         call = self.layer_call(layer)
+        if call.keys:
+            self.caches_writable()
         self._read(
             call,
             "get_ranges",
@@ -460,8 +591,9 @@ class WholeReads(Reads):
         options: PipelineOptions,
         batches: dict[int, GroupBatch],
         outcome: Outcome,
+        pool: StagingPool | None = None,
     ) -> None:
-        super().__init__(store, options, batches, outcome)
+        super().__init__(store, options, batches, outcome, pool)
         self.layers = sorted({batch.layout.first_layer for batch in batches.values()})
 
     def start(self) -> None:
@@ -472,6 +604,8 @@ class WholeReads(Reads):
 
     def read_groups(self, batches: Sequence[GroupBatch]) -> None:
         call = self.whole_call(batches)
+        if call.keys:
+            self.caches_writable()
         self._read(
             call,
             "batch_get_whole",
@@ -482,3 +616,69 @@ class WholeReads(Reads):
 
     def end(self) -> None:
         return None
+
+
+class StagedWrites(WholeWrites):
+    """Objects assembled in staging slabs layer by layer, put one piece per key per group."""
+
+    def open(self) -> None:
+        self.stage()
+
+    def write_ranges(self, layer: int) -> None:
+        for group, missing in self._missing.items():
+            if layer in missing:
+                self.batches[group].copy_layer(layer, into_staging=True)
+
+    def write_all(self) -> None:
+        for batch in self.batches.values():
+            for layer in batch.layout.layers:
+                batch.copy_layer(layer, into_staging=True)
+        super().write_all()
+
+    def commit(self, batches: Sequence[GroupBatch]) -> None:
+        try:
+            super().commit(batches)
+        finally:
+            self.unstage(batches)  # free the slabs as soon as their group is stored
+
+    def drop(self, batches: Sequence[GroupBatch]) -> None:
+        super().drop(batches)
+        self.unstage(batches)
+
+
+class StagedReads(Reads):
+    """Whole objects fetched into staging slabs at once (one piece per key); each layer
+    is copied into the caches when it is read. Objects without a slab are read straight
+    into the caches, piece by piece, at the start."""
+
+    def __init__(
+        self,
+        store: Store,
+        options: PipelineOptions,
+        batches: dict[int, GroupBatch],
+        outcome: Outcome,
+        pool: StagingPool | None = None,
+    ) -> None:
+        super().__init__(store, options, batches, outcome, pool)
+        self.layers = sorted({layer for b in batches.values() for layer in b.layout.layers})
+
+    def start(self) -> None:
+        self.stage()
+        call = self.whole_call(self.batches.values())
+        if any(segment.slab is None for b in self.batches.values() for segment in b.segments):
+            self.caches_writable()
+        self._read(
+            call,
+            "batch_get_whole",
+            lambda part: self.store.batch_get_whole(
+                call.keys[part], call.ptrs[part], call.sizes[part]
+            ),
+        )
+
+    def read_layer(self, layer: int) -> None:
+        self.caches_writable()
+        for batch in self.batches.values():
+            batch.copy_layer(layer, into_staging=False)
+
+    def end(self) -> None:
+        self.unstage()

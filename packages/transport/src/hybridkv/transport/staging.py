@@ -1,0 +1,117 @@
+"""Registered host staging memory: one contiguous buffer per object, for one-piece transfers.
+
+Mooncake over TCP pays tens of microseconds per piece (buffer or range) of a call, and a
+many-layer object scattered over one tensor per layer is that many pieces. Staging
+assembles each object in one registered buffer (a memcpy per layer, which on a GPU host is
+the device-to-host copy that overlaps compute), so the store moves it as ONE piece.
+
+The pool is one buffer registered once with the store, `capacity` bytes, carved first-fit.
+It never grows: a request that finds it full gets nothing and moves its objects unstaged
+(piece by piece, straight from the caches). It never waits for space: the holder of a slab
+may be a layerwise step that frees it only after jobs queued behind the waiter, on the same
+FIFO thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.transport.errors import StoreError
+from hybridkv.transport.layout import BlockIds, CacheEntry
+from hybridkv.transport.store import Store
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 64
+Bytes = npt.NDArray[np.uint8]
+
+
+class Slab:
+    """A contiguous piece of the pool: `rows` objects of `width` bytes, row after row."""
+
+    __slots__ = ("address", "array", "size", "start")
+
+    def __init__(self, pool_array: Bytes, start: int, rows: int, width: int, size: int) -> None:
+        self.start = start
+        self.size = size
+        self.array: Bytes = pool_array[start : start + rows * width].reshape(rows, width)
+        self.address = int(self.array.ctypes.data)
+
+    def row_addresses(self, rows: npt.NDArray[np.intp]) -> list[int]:
+        addresses: list[int] = (self.address + rows * self.array.shape[1]).tolist()
+        return addresses
+
+
+class StagingPool:
+    """A bounded, registered host buffer handed out as slabs (thread-safe)."""
+
+    def __init__(self, store: Store, capacity: int) -> None:
+        self.capacity = capacity
+        self._store = store
+        self._lock = threading.Lock()
+        self._array: Bytes | None = None
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # (start, size), by start
+        self.in_use = 0
+        self.peak = 0
+
+    def allocate(self, rows: int, width: int) -> Slab | None:
+        """A slab for `rows` objects of `width` bytes, or None if the pool has no such room."""
+        size = -(-rows * width // ALIGNMENT) * ALIGNMENT
+        if size == 0 or size > self.capacity:
+            return None
+        with self._lock:
+            array = self._buffer()
+            if array is None:
+                return None
+            for index, (start, free) in enumerate(self._free):
+                if free >= size:
+                    if free == size:
+                        del self._free[index]
+                    else:
+                        self._free[index] = (start + size, free - size)
+                    self.in_use += size
+                    self.peak = max(self.peak, self.in_use)
+                    return Slab(array, start, rows, width, size)
+        return None
+
+    def free(self, slab: Slab) -> None:
+        with self._lock:
+            self.in_use -= slab.size
+            spans = sorted([*self._free, (slab.start, slab.size)])
+            merged: list[tuple[int, int]] = []
+            for start, size in spans:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((start, size))
+            self._free = merged
+
+    def _buffer(self) -> Bytes | None:
+        """The pool's memory, allocated and registered on first use (lock held)."""
+        if self._array is None and self.capacity:
+            array = np.empty(self.capacity, dtype=np.uint8)  # pages mapped on first touch
+            try:
+                self._store.register_buffer(int(array.ctypes.data), self.capacity)
+            except StoreError as exc:
+                log.warning("staging buffer of %d B not registered: %s", self.capacity, exc)
+            self._array = array
+        return self._array
+
+
+def host_view(entry: CacheEntry, blocks: BlockIds) -> Bytes:
+    """The entry's blocks as a [block, block_bytes] array over its memory (no copy).
+
+    Only valid for host memory: staging reads and writes caches with the CPU.
+    """
+    rows = entry.num_blocks if entry.num_blocks is not None else int(blocks.max()) + 1
+    span = (rows - 1) * entry.block_stride + entry.block_bytes
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(entry.base_ptr))
+    view: Bytes = np.lib.stride_tricks.as_strided(
+        raw, shape=(rows, entry.block_bytes), strides=(entry.block_stride, 1), writeable=True
+    )
+    return view
