@@ -19,6 +19,7 @@ from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.pipeline import PipelineOptions
 from hybridkv.transport.store import Store
 from hybridkv.transport.testing import mooncake_config
 
@@ -96,8 +97,17 @@ def test_keys_already_in_the_pool_are_skipped_not_rewritten(store: Store, mode: 
         )
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        PipelineOptions(granularity="group"),  # the engine splits at 1024 pieces
+        PipelineOptions(granularity="group", max_transfer_pieces=0),  # MooncakeStore splits
+        PipelineOptions(),  # staged: one piece per key
+    ],
+    ids=["engine-split", "store-split", "staged"],
+)
 def test_many_layer_whole_objects_fit_mooncakes_per_call_piece_limit(
-    mooncake_master: MasterProcess, segment_holder: object
+    mooncake_master: MasterProcess, segment_holder: object, options: PipelineOptions
 ) -> None:
     """64 layers x 48 blocks = 3072 pieces: one Mooncake call fails keys past ~2000."""
     layers, blocks, nbytes = 64, 48, 256
@@ -122,9 +132,9 @@ def test_many_layer_whole_objects_fit_mooncakes_per_call_piece_limit(
         mooncake_config(mooncake_master.address, global_segment_size=0)
     )
     try:
-        with TransferEngine(writer_store, layouts["source"]) as engine:
+        with TransferEngine(writer_store, layouts["source"], options) as engine:
             assert engine.save(saves).wait(timeout=60).ok
-        with TransferEngine(writer_store, layouts["target"]) as engine:
+        with TransferEngine(writer_store, layouts["target"], options) as engine:
             assert engine.load(saves).wait(timeout=60).ok
     finally:
         writer_store.close()

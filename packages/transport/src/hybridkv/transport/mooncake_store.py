@@ -52,6 +52,9 @@ REQUIRED_METHODS = (
     "batch_remove",
 )
 
+# Mooncake 0.3.13 over TCP fails (-800) the keys of one call beyond about 2000 pieces
+# (buffers or ranges) in all: data calls are split so no caller can hit it.
+MAX_PIECES_PER_CALL = 1024
 MASTER_PROBE_TIMEOUT_S = 2.0
 MASTER_RECHECK_INTERVAL_S = 0.5
 
@@ -165,10 +168,13 @@ class MooncakeStore:
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
     ) -> list[Status]:
         check_batch("batch_put_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
-        return self._statuses(
-            keys,
-            lambda client: client.batch_put_from_multi_buffers(
-                list(keys), _lists(ptrs), _lists(sizes)
+        return self._in_parts(
+            sizes,
+            lambda part: self._statuses(
+                keys[part],
+                lambda client: client.batch_put_from_multi_buffers(
+                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part])
+                ),
             ),
         )
 
@@ -176,10 +182,13 @@ class MooncakeStore:
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
     ) -> list[Status]:
         check_batch("batch_get_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
-        return self._statuses(
-            keys,
-            lambda client: client.batch_get_into_multi_buffers(
-                list(keys), _lists(ptrs), _lists(sizes)
+        return self._in_parts(
+            sizes,
+            lambda part: self._statuses(
+                keys[part],
+                lambda client: client.batch_get_into_multi_buffers(
+                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part])
+                ),
             ),
         )
 
@@ -203,11 +212,16 @@ class MooncakeStore:
             "put_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
             ("offset lists", offsets),
         )  # fmt: skip
-        with self._call() as client:  # segment traffic only: no master round trip
-            codes = client.batch_put_from_multi_buffer_ranges(
-                list(keys), _lists(ptrs), _lists(sizes), _lists(offsets)
-            )
-        return [Status.from_code(code) for code in codes]
+
+        def send(part: slice) -> list[Status]:
+            with self._call() as client:  # segment traffic only: no master round trip
+                codes = client.batch_put_from_multi_buffer_ranges(
+                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part]),
+                    _lists(offsets[part]),
+                )  # fmt: skip
+            return [Status.from_code(code) for code in codes]
+
+        return self._in_parts(sizes, send)
 
     def put_session_end(self, keys: Sequence[str]) -> list[Status]:
         return self._statuses(keys, lambda client: client.batch_put_session_end(list(keys)))
@@ -229,11 +243,16 @@ class MooncakeStore:
             "get_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
             ("offset lists", offsets),
         )  # fmt: skip
-        with self._call() as client:  # replicas were cached by get_session_start
-            codes = client.batch_get_into_multi_buffer_ranges(
-                list(keys), _lists(ptrs), _lists(sizes), _lists(offsets)
-            )
-        return [Status.from_code(code) for code in codes]
+
+        def send(part: slice) -> list[Status]:
+            with self._call() as client:  # replicas were cached by get_session_start
+                codes = client.batch_get_into_multi_buffer_ranges(
+                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part]),
+                    _lists(offsets[part]),
+                )  # fmt: skip
+            return [Status.from_code(code) for code in codes]
+
+        return self._in_parts(sizes, send)
 
     def get_session_end(self, keys: Sequence[str]) -> None:
         with self._call() as client:
@@ -273,6 +292,14 @@ class MooncakeStore:
                 if not self._in_flight:
                     self._state.notify_all()
 
+    @staticmethod
+    def _in_parts(sizes: Sequence[Sizes], send: Callable[[slice], list[Status]]) -> list[Status]:
+        """Run `send` over consecutive key slices of at most MAX_PIECES_PER_CALL pieces."""
+        statuses: list[Status] = []
+        for part in split_by_pieces([len(pieces) for pieces in sizes], MAX_PIECES_PER_CALL):
+            statuses.extend(send(part))
+        return statuses
+
     def _statuses(self, keys: Sequence[str], call: Callable[[Any], list[int]]) -> list[Status]:
         codes = self._master_call(keys, call, failed=Status.RPC_FAILED.value)
         return [Status.from_code(code) for code in codes]
@@ -303,6 +330,20 @@ class MooncakeStore:
             self._master_down_since = None
             return False
         return True
+
+
+def split_by_pieces(pieces: Sequence[int], limit: int) -> list[slice]:
+    """Consecutive slices of keys, each within `limit` pieces (a bigger key goes alone)."""
+    slices: list[slice] = []
+    start, used = 0, 0
+    for index, count in enumerate(pieces):
+        if index > start and used + count > limit:
+            slices.append(slice(start, index))
+            start, used = index, 0
+        used += count
+    if start < len(pieces):
+        slices.append(slice(start, len(pieces)))
+    return slices
 
 
 def _lists(columns: Sequence[Sequence[int]]) -> list[list[int]]:
