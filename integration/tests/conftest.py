@@ -74,9 +74,11 @@ def scheduler_output(
     cached: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
     tables: dict[str, tuple[list[int], ...]] | None = None,
     finished: set[str] | None = None,
+    resumed: list[tuple[str, tuple[list[int], ...], int, int]] = (),  # type: ignore[assignment]
 ) -> SimpleNamespace:
-    """new: (id, block_ids, computed, scheduled); cached: (id, computed, scheduled)."""
-    scheduled = {rid: count for rid, _, _, count in new}
+    """new and resumed (after preemption): (id, block_ids, computed, scheduled);
+    cached: (id, computed, scheduled)."""
+    scheduled = {rid: count for rid, _, _, count in [*new, *resumed]}
     scheduled.update({rid: count for rid, _, count in cached})
     state = None
     if tables is not None:
@@ -88,10 +90,11 @@ def scheduler_output(
             for rid, ids, computed, _ in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[rid for rid, _, _ in cached],
-            resumed_req_ids=set(),
-            new_block_ids=[None for _ in cached],
-            num_computed_tokens=[computed for _, computed, _ in cached],
+            req_ids=[rid for rid, _, _ in cached] + [rid for rid, _, _, _ in resumed],
+            resumed_req_ids={rid for rid, _, _, _ in resumed},
+            new_block_ids=[None for _ in cached] + [ids for _, ids, _, _ in resumed],
+            num_computed_tokens=[computed for _, computed, _ in cached]
+            + [computed for _, _, computed, _ in resumed],
         ),
         num_scheduled_tokens=scheduled,
         kv_connector_block_state=state,

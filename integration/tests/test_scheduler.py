@@ -137,6 +137,29 @@ def test_loaded_recurrent_state_is_moved_to_the_block_the_step_writes(vllm_specs
     assert [(c.group, c.src, c.dst) for c in transfers.copies] == [(1, 25, 26)]
 
 
+def test_state_loaded_on_resume_after_preemption_is_moved_too(vllm_specs: Any) -> None:
+    """A preempted request comes back as a resumed cached request with a whole new block
+    table; a synchronous hit loading its state needs the same move as a new request."""
+    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
+    side, pool = _side(vllm_specs, kinds, ModelShape(1, 2))
+    req = request("r", TOKENS)
+    first = ([1, 2], [3, 4])
+    side.num_new_matched_tokens(req, 0)  # a miss: the pool is empty
+    side.after_alloc(req, first, 0)
+    side.build_meta(scheduler_output(new=[("r", first, 0, 64)]))
+    _store(side, pool, TOKENS, [0, 1], 192)  # meanwhile another instance stored the prompt
+    # preempted (blocks freed), then scheduled again: the hit is looked up anew
+    assert side.num_new_matched_tokens(req, 0) == (192, False)
+    tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
+    side.after_alloc(req, tables, 192)
+    output = scheduler_output(resumed=[("r", tables, 192, 8)])
+    (transfers,) = side.build_meta(output).requests
+    assert [(ref.group, ref.index, ref.block_id) for ref in transfers.loads if ref.group == 1] == [
+        (1, 5, 25)
+    ]
+    assert [(c.group, c.src, c.dst) for c in transfers.copies] == [(1, 25, 26)]
+
+
 def test_consumer_role_neither_loads_nor_saves_unless_told(vllm_specs: Any) -> None:
     kinds = [(["a"], attention(vllm_specs))]
     plan = plan_groups(groups(vllm_specs, *kinds), [0], ModelShape(1, 2))

@@ -22,11 +22,44 @@ from tinymodels import PROMPT, build
 HIT = 192  # every full 32-token block below the prompt's last token
 
 
-def _run(model: Path, extra: dict[str, Any]) -> tuple[list[int], list[float], int, dict]:
+class EventStream:
+    """A subscriber to vLLM's KV event publisher (ZMQ over an ipc socket it binds)."""
+
+    def __init__(self, directory: Path) -> None:
+        import zmq
+
+        self.endpoint = f"ipc://{directory / 'kv-events'}"
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(self.endpoint)
+
+    def stored(self) -> list[Any]:
+        """Every BlockStored published so far (waits until the stream is quiet)."""
+        import msgspec
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+        decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        events = []
+        while self._socket.poll(1000):
+            _topic, _seq, payload = self._socket.recv_multipart()
+            events.extend(e for e in decode(payload).events if isinstance(e, BlockStored))
+        self._socket.close(0)
+        self._context.term()
+        return events
+
+
+def _run(
+    model: Path, extra: dict[str, Any], events: EventStream | None = None
+) -> tuple[list[int], list[float], int, dict]:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    if events is not None:
+        events_config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint
+        )
     llm = LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -40,6 +73,7 @@ def _run(model: Path, extra: dict[str, Any]) -> tuple[list[int], list[float], in
         kv_transfer_config=KVTransferConfig(
             kv_connector="HybridKVConnector", kv_role="kv_both", kv_connector_extra_config=extra
         ),
+        kv_events_config=events_config if events is not None else None,
     )
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, detokenize=False)
     (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params)
@@ -69,7 +103,9 @@ def test_reuse_is_exact_in_both_modes_and_crossed(
     whole = {"store": "memory", "namespace": f"{name}-whole"}
     layered = {"store": "memory", "namespace": f"{name}-layerwise", "use_layerwise": True}
 
-    cold = _run(model, whole)
+    stream = EventStream(tmp_path_factory.mktemp("events"))
+    cold = _run(model, whole, stream)
+    _check_pool_events(stream.stored(), cold[3]["saved_blocks"])
     cold_layerwise = _run(model, layered)
     assert cold[2] == cold_layerwise[2] == 0
     assert cold_layerwise[:2] == cold[:2]
@@ -93,3 +129,11 @@ def test_reuse_is_exact_in_both_modes_and_crossed(
 
     other = _run(model, {"store": "memory", "namespace": "elsewhere", "use_layerwise": True})
     assert other[2] == 0  # a different namespace never reads these objects
+
+
+def _check_pool_events(events: list[Any], saved_blocks: int) -> None:
+    """Each block put in the pool is announced once, named as vLLM's GPU tier names it."""
+    pool = [(e.group_idx, *e.block_hashes) for e in events if e.medium == "CPU"]
+    device = {(e.group_idx, h) for e in events if e.medium == "GPU" for h in e.block_hashes}
+    assert len(pool) == len(set(pool)) == saved_blocks > 0
+    assert set(pool) <= device

@@ -127,3 +127,34 @@ def test_missing_object_is_a_load_error_and_async_loads_finish(rig: Any) -> None
         time.sleep(0.01)
     assert done == {"c"}
     assert worker.take_load_errors() == {4}
+
+
+def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    worker, _, store = rig
+    events = [
+        BlockStored(
+            block_hashes=[index],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=32,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=0,
+        )
+        for index in range(2)
+    ]
+    saves = [
+        BlockRef(0, index, index + 1, bytes([0, index]) * 16, events[index]) for index in range(2)
+    ]
+    failing = worker.keys.keys(0, [saves[1].block_hash], [0])[0]
+    for operation in ("batch_put_whole", "put_ranges"):  # whole objects / layer ranges
+        store.fail_next(operation, lambda key: key == failing, Status.NO_SPACE)
+    worker.begin_step(HybridKVMetadata([RequestTransfers(request_id="a", saves=saves)]))
+    worker.end_step()
+    assert worker.take_stored_events() == []  # not settled before the next step's barrier
+    worker.barrier()
+    assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[0])]
+    assert worker.take_stored_events() == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
+from hybridkv.integration.events import EventBuilder, PoolAnnouncer, StoredEvents
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.lookup import (
@@ -41,12 +43,14 @@ from hybridkv.transport import TransferEngine, make_event
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -99,11 +103,27 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._server: LookupServer | None = None
         self._pool: Pool | None = None
+        events = vllm_config.kv_events_config
+        self._events_on = events is not None and events.enable_kv_cache_events
+        self._announcer: PoolAnnouncer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            builder = self._event_builder(kv_cache_config) if self._events_on else None
+            if self._events_on:
+                storing = {g.vllm_group_id: g.heads.storing for g in self.plan.groups}
+                self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
             self._scheduler = SchedulerSide(
-                self.keys, self.config, self._client.query, transfer.kv_role
+                self.keys, self.config, self._client.query, transfer.kv_role, builder
             )
+
+    def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:
+        # vLLM hashes requests at kv_cache_config.hash_block_size (set by the engine core).
+        hash_block_size = (
+            kv_cache_config.hash_block_size or self._vllm_config.cache_config.block_size
+        )
+        groups = kv_cache_config.kv_cache_groups
+        specs = {g.vllm_group_id: groups[g.vllm_group_id].kv_cache_spec for g in self.plan.groups}
+        return EventBuilder(hash_block_size, specs)
 
     def _lookup_address(self) -> str | None:
         if self.config.lookup_port:
@@ -136,6 +156,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        reports = connector_output.kv_cache_events
+        if self._announcer is not None and isinstance(reports, StoredEvents):
+            self._announcer.add(reports.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """`BlockStored` for blocks every storing head has put in the pool (see events.py)."""
+        return self._announcer.take() if self._announcer is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -220,6 +249,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        if not self._events_on or self._worker is None:
+            return None
+        stored = self._worker.take_stored_events()
+        return StoredEvents(stored) if stored else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:

@@ -158,7 +158,9 @@ class VllmLayerwise:
         )
         # No seconds: the transport's clock spans the whole forward; the exposed tail
         # (take_stats) is what layerwise transfer costs.
-        saved = TransferResult(bytes=max(result.bytes - loaded_bytes, 0))
+        saved = TransferResult(
+            failed_keys=result.failed_keys, bytes=max(result.bytes - loaded_bytes, 0)
+        )
         loaded = TransferResult(failed_blocks=failed, bytes=loaded_bytes)
         return StepEnd(loaded, lambda: saved)
 

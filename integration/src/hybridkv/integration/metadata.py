@@ -7,16 +7,21 @@ so one metadata object serves every TP rank.
 from __future__ import annotations
 
 import msgspec
+from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
 class BlockRef(msgspec.Struct, frozen=True, array_like=True):
-    """Block `index` of plan group `group`, held locally in vLLM block `block_id`."""
+    """Block `index` of plan group `group`, held locally in vLLM block `block_id`.
+
+    `stored`: for a save with KV events enabled, the event announcing it once stored.
+    """
 
     group: int
     index: int
     block_id: int
     block_hash: bytes
+    stored: BlockStored | None = None
 
 
 class StateCopy(msgspec.Struct, frozen=True, array_like=True):

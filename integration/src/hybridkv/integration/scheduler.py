@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
 from hybridkv.integration.config import ConnectorConfig
+from hybridkv.integration.events import EventBuilder
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
 
@@ -49,9 +50,15 @@ class SchedulerSide:
     """The scheduler role of the connector."""
 
     def __init__(
-        self, keys: KeySpace, config: ConnectorConfig, query: Query, kv_role: str | None = None
+        self,
+        keys: KeySpace,
+        config: ConnectorConfig,
+        query: Query,
+        kv_role: str | None = None,
+        events: EventBuilder | None = None,
     ) -> None:
         self.keys = keys
+        self._events = events
         self.plan = keys.plan
         self.config = config
         self._loads = config.loads_for(kv_role)
@@ -170,10 +177,8 @@ class SchedulerSide:
         for new in output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = [list(ids) for ids in new.block_ids]
                 done = new.num_computed_tokens + output.num_scheduled_tokens[new.req_id]
-                if new.req_id in step:
-                    self._plan_state_copies(step[new.req_id], tracked.block_ids, done)
+                self._start(tracked, new.block_ids, done, step)
                 self._plan_saves(tracked, done, state, step)
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
@@ -181,14 +186,28 @@ class SchedulerSide:
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[index]
+            done = cached.num_computed_tokens[index] + output.num_scheduled_tokens[request_id]
             if request_id in cached.resumed_req_ids and new_ids is not None:
-                tracked.block_ids = [list(ids) for ids in new_ids]
+                # Preempted and resumed: a whole new block table, maybe a new hit to load.
+                self._start(tracked, new_ids, done, step)
             elif new_ids is not None:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
                     table.extend(ids)
-            done = cached.num_computed_tokens[index] + output.num_scheduled_tokens[request_id]
             self._plan_saves(tracked, done, state, step)
         return HybridKVMetadata(list(step.values()))
+
+    def _start(
+        self,
+        tracked: _Tracked,
+        block_ids: Sequence[Sequence[int]],
+        done: int,
+        step: dict[str, RequestTransfers],
+    ) -> None:
+        """A request (re)starts with a full block table: new, or resumed after preemption."""
+        tracked.block_ids = [list(ids) for ids in block_ids]
+        transfers = step.get(tracked.request.request_id)
+        if transfers is not None:
+            self._plan_state_copies(transfers, tracked.block_ids, done)
 
     def _plan_state_copies(
         self, transfers: RequestTransfers, block_ids: Sequence[list[int]], done: int
@@ -236,7 +255,10 @@ class SchedulerSide:
             for block in range(first, min(complete, len(ids))):
                 # Null: a window or a state vLLM already dropped; it is never coming back.
                 if block < len(mask) and mask[block] and ids[block] != NULL_BLOCK_ID:
-                    saves.append(BlockRef(group, block, ids[block], hashes[block]))
+                    stored = None
+                    if self._events is not None:
+                        stored = self._events(request, plan.vllm_group_id, size, block)
+                    saves.append(BlockRef(group, block, ids[block], hashes[block], stored))
             tracked.scanned[group] = complete
         if saves:
             entry = step.setdefault(

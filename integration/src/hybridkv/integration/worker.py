@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from hybridkv.integration.events import HeadStored
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
@@ -116,7 +117,10 @@ class WorkerSide:
         self._new_event = new_event
         self.counters = Counters()
         self.totals = Counters()
-        self._saves: list[Callable[[], TransferResult]] = []
+        # Waits for issued saves, with the events of the blocks each one stores.
+        self._saves: list[tuple[Callable[[], TransferResult], dict[str, HeadStored]]] = []
+        self._announce: dict[str, HeadStored] = {}
+        self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
         self._load_errors: set[int] = set()
@@ -133,8 +137,11 @@ class WorkerSide:
             heads = self.keys.plan.groups[ref.group].heads
             if writing and not heads.writes(self.tp_rank):
                 continue
-            key = self.keys.keys(ref.group, [ref.block_hash], [heads.head_of(self.tp_rank)])[0]
+            head = heads.head_of(self.tp_rank)
+            key = self.keys.keys(ref.group, [ref.block_hash], [head])[0]
             transfers.append(BlockTransfer(key, ref.group, ref.block_id, request_id, ref.index))
+            if writing and ref.stored is not None:
+                self._announce[key] = HeadStored(head=head, event=ref.stored)
         return transfers
 
     def _record_load(self, result: TransferResult) -> None:
@@ -151,13 +158,15 @@ class WorkerSide:
     def barrier(self) -> None:
         """Wait for every save issued so far: their source blocks may be reused next."""
         pending, self._saves = self._saves, []
-        for wait in pending:
+        for wait, announce in pending:
             try:
                 result = wait()
             except Exception:
                 logger.exception("hybridkv: a save failed; those blocks stay uncached")
                 continue
             self._count(saved_bytes=result.bytes, save_seconds=result.seconds)
+            failed = set(result.failed_keys)
+            self._stored.extend(event for key, event in announce.items() if key not in failed)
 
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """The step's metadata is bound, the forward not started: hand the strategy its plan."""
@@ -202,9 +211,10 @@ class WorkerSide:
     def end_step(self) -> None:
         """vLLM's `wait_for_save`: settle this step's loads, keep its saves to wait for."""
         end: StepEnd = self.strategy.end_step()
+        announce, self._announce = self._announce, {}
         self._record_load(end.loads)
         if end.saves is not None:
-            self._saves.append(end.saves)
+            self._saves.append((end.saves, announce))
         self._count(**self.strategy.take_stats())
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -220,6 +230,12 @@ class WorkerSide:
                 logger.exception("hybridkv: async load of %s failed", request_id)
                 self._record_load(all_failed(transfers))
         return None, (done or None)
+
+    def take_stored_events(self) -> list[HeadStored]:
+        """Events of the blocks whose puts were settled (by the barrier) since the last call:
+        a step's saves are announced with the next step's output."""
+        stored, self._stored = self._stored, []
+        return stored
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
