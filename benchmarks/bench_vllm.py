@@ -33,7 +33,7 @@ def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(tinymodels.BUILDERS), default="lfm2")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
