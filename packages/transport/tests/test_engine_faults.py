@@ -4,6 +4,7 @@ no session, lease or counter leaks, and errors reach the caller."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from _engine_drive import LayerCheck, engine_for, read_object, save, unique_prefix
@@ -14,7 +15,7 @@ from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
-from hybridkv.transport.testing import StartMaster, mooncake_config
+from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
 BLOCKS = {0: [0, 1], 1: [2, 3], 2: [4]}
 
@@ -175,3 +176,76 @@ def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
             assert result.failed_blocks == {0: {5, 6}, 1: {7, 0}, 2: {1}}
     finally:
         reader_store.close()
+
+
+@pytest.mark.parametrize("mode", ["staged", "layer"])
+def test_a_segment_holder_killed_mid_step_fails_blocks_and_leaves_nothing_partial(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder, mode: str
+) -> None:
+    """The process lending the pool's memory dies while a step saves and another loads."""
+    master = start_mooncake_master()
+    holder = start_segment_holder(master.address)
+    prefix = unique_prefix()
+    source, target = Caches(num_blocks=8, seed=20), Caches(num_blocks=8, seed=21)
+    source.fill()
+    # Lend nothing: every object lives in the holder, as in a deployment.
+    store = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
+    try:
+        stored = transfers(BLOCKS, "old", prefix)
+        with engine_for(store, source, mode) as engine:
+            assert save(engine, stored, mode).ok
+            saving = transfers({0: [5, 6], 1: [7], 2: [0]}, "new", f"{prefix}-new")
+            loads = transfers({0: [3, 4], 1: [5, 6], 2: [7]}, "reader", prefix)
+            step = engine.begin_layerwise(saves=saving)
+            step.save_layer(0, CpuEvent())
+            step.save_layer(1, CpuEvent())
+            step.checkpoint()
+            holder.kill()
+            for layer in range(2, NUM_LAYERS):
+                step.save_layer(layer, CpuEvent())
+            written = step.finish()
+            with engine_for(store, target, mode) as reader:
+                load_step = reader.begin_layerwise(loads=loads)
+                failed = load_step.wait_layer_loaded(0)
+                loaded = load_step.finish()
+                assert reader.outstanding("load") == 0
+            assert engine.outstanding("save") == 0
+        assert sorted(written.failed_keys) == sorted(t.key for t in saving)
+        assert written.failed_blocks == {0: {5, 6}, 1: {7}, 2: {0}}
+        # Reported before layer 0 is used: group 0 has layer 0; every load failed.
+        assert failed[0] == {3, 4}
+        assert loaded.failed_blocks == {0: {3, 4}, 1: {5, 6}, 2: {7}}
+        assert store.batch_is_readable([t.key for t in saving]) == [False] * len(saving)
+        assert target.block_bytes(0, 3) == bytes(len(target.block_bytes(0, 3)))
+    finally:
+        store.close()
+
+
+def test_a_ranged_load_outliving_the_masters_lease_still_reads_every_layer(
+    start_mooncake_master: StartMaster,
+) -> None:
+    """A get session lasts one lease (default_kv_lease_ttl): later reads must re-pin."""
+    master = start_mooncake_master(lease_ttl_ms=300)
+    prefix = unique_prefix()
+    source, target = Caches(num_blocks=8, seed=22), Caches(num_blocks=8, seed=23)
+    source.fill()
+    store = MooncakeStore.connect(mooncake_config(master.address))
+    try:
+        saves = transfers(BLOCKS, prefix=prefix)
+        with engine_for(store, source, "whole") as writer:
+            assert save(writer, saves, "whole").ok
+        loads = transfers({0: [7, 6], 1: [5, 4], 2: [3]}, "reader", prefix)
+        with engine_for(store, target, "layer", prefetch_layers=0) as reader:
+            step = reader.begin_layerwise(loads=loads)
+            for layer in range(NUM_LAYERS):
+                time.sleep(0.5)  # the model computes: the lease runs out between layers
+                assert step.wait_layer_loaded(layer) == {}
+            result = step.finish()
+        assert result.ok
+        remap = {(t.group, s.local_block): t.local_block for s, t in zip(saves, loads, strict=True)}
+        for (group, source_block), target_block in remap.items():
+            assert target.block_bytes(group, target_block) == source.block_bytes(
+                group, source_block
+            )
+    finally:
+        store.close()

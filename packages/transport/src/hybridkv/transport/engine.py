@@ -226,6 +226,8 @@ class TransferEngine:
                 log.exception("layerwise step failed while the engine closed")
         self._sender.close()
         self._receiver.close()
+        if self.staging is not None:
+            self.staging.close()
 
     def __enter__(self) -> TransferEngine:
         return self

@@ -131,6 +131,9 @@ class MemoryStore:
             raise InvalidRequestError(f"register_buffer needs a real region, got ({ptr}, {size})")
         self._check_open()
 
+    def unregister_buffer(self, ptr: int) -> None:
+        self._check_open()
+
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             self._check_open()

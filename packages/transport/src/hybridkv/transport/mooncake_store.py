@@ -39,6 +39,7 @@ REQUIRED_METHODS = (
     "setup",
     "close",
     "register_buffer",
+    "unregister_buffer",
     "batch_is_exist",
     "batch_put_from_multi_buffers",
     "batch_get_into_multi_buffers",
@@ -159,6 +160,12 @@ class MooncakeStore:
             code = client.register_buffer(ptr, size)
         if code != 0:
             raise StoreError(f"register_buffer({ptr:#x}, {size}) failed with code {code}")
+
+    def unregister_buffer(self, ptr: int) -> None:
+        with self._call() as client:
+            code = client.unregister_buffer(ptr)
+        if code != 0:
+            raise StoreError(f"unregister_buffer({ptr:#x}) failed with code {code}")
 
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
         codes = self._master_call(keys, lambda client: client.batch_is_exist(list(keys)), failed=-1)

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
@@ -117,6 +118,13 @@ class Outcome:
             done = msgspec.structs.replace(self._result)
             done.seconds = time.perf_counter() - self._started
             return done
+
+
+def _log_failures(operation: str, statuses: Sequence[Status]) -> None:
+    counts = Counter(status.name for status in statuses if not status.ok)
+    if counts:
+        log.warning("%s: %d of %d keys failed: %s", operation, sum(counts.values()),
+                    len(statuses), dict(counts))  # fmt: skip
 
 
 class GroupBatch:
@@ -275,6 +283,7 @@ class Transfers:
                     self.outcome.moved(nbytes)
                 else:
                     failed.append((batch, row))
+            _log_failures(operation, statuses)
         return failed
 
     def fail(self, rows: Iterable[tuple[GroupBatch, int]]) -> None:
@@ -555,6 +564,7 @@ class RangedReads(Reads):
         except StoreError as exc:
             log.warning("get_session_start of %d keys failed: %s", len(keys), exc)
             statuses = [Status.OTHER] * len(keys)
+        _log_failures("get_session_start", statuses)
         self._pinned = [key for key, status in zip(keys, statuses, strict=True) if status.ok]
         pinned = set(self._pinned)
         self.fail(
@@ -566,15 +576,33 @@ class RangedReads(Reads):
 
     def read_layer(self, layer: int) -> None:
         call = self.layer_call(layer)
-        if call.keys:
-            self.caches_writable()
-        self._read(
-            call,
-            "get_ranges",
-            lambda part: self.store.get_ranges(
-                call.keys[part], call.ptrs[part], call.sizes[part], call.offsets[part]
-            ),
+        if not call.keys:
+            return
+        self.caches_writable()
+        failed = self.issue(call, "get_ranges", self._get_ranges(call))
+        if failed:
+            # A get session lives as long as the master's lease (default_kv_lease_ttl, 5 s
+            # by default): reads after it expired fail with TRANSFER_FAILED. Pin the keys
+            # again and retry once; what fails again (a dead segment) fails for good.
+            retry = Call()
+            for batch, row in failed:
+                ranges = batch.layout.layer_ranges(layer)
+                if ranges is not None:
+                    retry.add(batch, np.array([row]), ranges)
+            self._repin(retry.keys)
+            self.fail(self.issue(retry, "get_ranges (re-pinned)", self._get_ranges(retry)))
+
+    def _get_ranges(self, call: Call) -> StoreCall:
+        return lambda part: self.store.get_ranges(
+            call.keys[part], call.ptrs[part], call.sizes[part], call.offsets[part]
         )
+
+    def _repin(self, keys: list[str]) -> None:
+        try:
+            self.store.get_session_end(keys)
+            self.store.get_session_start(keys)
+        except StoreError as exc:
+            log.warning("re-pinning %d keys failed: %s", len(keys), exc)
 
     def end(self) -> None:
         pinned, self._pinned = self._pinned, []

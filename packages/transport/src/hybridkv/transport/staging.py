@@ -55,6 +55,8 @@ class StagingPool:
         self._store = store
         self._lock = threading.Lock()
         self._array: Bytes | None = None
+        self._registered = False
+        self._closed = False
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (start, size), by start
         self.in_use = 0
         self.peak = 0
@@ -93,14 +95,28 @@ class StagingPool:
 
     def _buffer(self) -> Bytes | None:
         """The pool's memory, allocated and registered on first use (lock held)."""
-        if self._array is None and self.capacity:
-            array = np.empty(self.capacity, dtype=np.uint8)  # pages mapped on first touch
+        if self._array is None and self.capacity and not self._closed:
+            array = np.empty(self.capacity, dtype=np.uint8)
+            array.fill(0)  # map every page once now, not in the middle of each transfer
             try:
                 self._store.register_buffer(int(array.ctypes.data), self.capacity)
+                self._registered = True
             except StoreError as exc:
                 log.warning("staging buffer of %d B not registered: %s", self.capacity, exc)
             self._array = array
         return self._array
+
+    def close(self) -> None:
+        """Unregister and free the buffer (no slab may be in use: the engine has drained)."""
+        with self._lock:
+            self._closed = True
+            array, self._array = self._array, None
+            if array is not None and self._registered:
+                self._registered = False
+                try:
+                    self._store.unregister_buffer(int(array.ctypes.data))
+                except StoreError as exc:
+                    log.warning("staging buffer not unregistered: %s", exc)
 
 
 def host_view(entry: CacheEntry, blocks: BlockIds) -> Bytes:

@@ -39,6 +39,9 @@ class Store(Protocol):
     def register_buffer(self, ptr: int, size: int) -> None:
         """Make local memory eligible for zero-copy transfers (a no-op where not needed)."""
 
+    def unregister_buffer(self, ptr: int) -> None:
+        """Forget a region `register_buffer` made eligible, before its memory is freed."""
+
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
         """True for keys committed and readable now; allocated-but-open objects are False."""
 
