@@ -97,16 +97,22 @@ class FailingOpenStore(MemoryStore):
 
 
 def fail_at_call(
-    store: MemoryStore, operation: str, call: int, keys: Sequence[str], status: Status
+    store: MemoryStore,
+    operation: str,
+    call: int,
+    keys: Sequence[str],
+    status: Status,
+    times: int = 1,
 ) -> None:
-    """Make the `call`-th call (1-based) of `operation` fail `keys`: a mid-way fault."""
+    """Make the `call`-th call (1-based) of `operation` and the `times - 1` calls after it
+    that touch `keys` fail them: a mid-way fault (times > 1: one that a retry meets too)."""
     original = getattr(store, operation)
     count = {"calls": 0}
 
     def wrapped(*args: object, **kwargs: object) -> object:
         count["calls"] += 1
         if count["calls"] == call:
-            store.fail_next(operation, keys, status)
+            store.fail_next(operation, keys, status, calls=times)
         return original(*args, **kwargs)
 
     setattr(store, operation, wrapped)

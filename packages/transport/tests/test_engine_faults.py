@@ -92,8 +92,8 @@ def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(mode: str
         assert save(writer, transfers(BLOCKS, prefix=prefix), "whole").ok
     loads = transfers({0: [5, 6], 1: [7, 0], 2: [1]}, "reader", prefix)
     broken = loads[3]  # group 1 (layers 1, 2, 3), local block 0
-    if mode == "layer":  # layers 0 and 1 arrive, layer 2 of the broken key fails
-        fail_at_call(store, "get_ranges", 3, [broken.key], Status.TRANSFER_FAILED)
+    if mode == "layer":  # layers 0 and 1 arrive, layer 2 of the broken key fails (retry too)
+        fail_at_call(store, "get_ranges", 3, [broken.key], Status.TRANSFER_FAILED, times=2)
     else:
         store.fail_next("batch_get_whole", [broken.key], Status.TRANSFER_FAILED)
     remap = {(t.group, BLOCKS[t.group][t.block_index]): t.local_block for t in loads}
