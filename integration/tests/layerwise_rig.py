@@ -79,6 +79,8 @@ class Rig:
             )
             for group, (_, layers) in groups.items()
         ]
+        # "layer": ranged puts and gets per layer, the device-memory path the window models
+        options = options or PipelineOptions(granularity="layer")
         self.engine = TransferEngine(self.store, self.layouts, options)
         all_layers = sorted({layer for _, layers in groups.values() for layer in layers})
         self.strategy = LayerwiseStrategy(self.engine, all_layers, reporters, new_event)

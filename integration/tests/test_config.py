@@ -89,10 +89,14 @@ def test_ascend_store_connector_config_carries_over() -> None:
     assert config.lookup_port == 6000
     assert (config.saves_for("kv_consumer"), config.loads_for("kv_consumer")) == (True, False)
     assert (config.saves_for("kv_producer"), config.loads_for("kv_both")) == (True, True)
-    options = config.pipeline_options()
+    options = config.pipeline_options("cpu")
     assert (options.prefetch_layers, options.max_transfer_blocks) == (1, 4)
     assert options.backlog == 8
-    assert parse_extra_config({"_layerwise_backlog": 1}).pipeline_options().backlog == 1
+    assert parse_extra_config({"_layerwise_backlog": 1}).pipeline_options("cpu").backlog == 1
+    # host caches are staged (one piece per object); device caches move by layer ranges
+    assert options.granularity == "staged"
+    assert config.pipeline_options("cuda:0").granularity == "layer"
+    assert config.pipeline_options("npu").granularity == "layer"
     consumer = parse_extra_config({})
     assert not consumer.saves_for("kv_consumer")
     assert not consumer.loads_for("kv_consumer")

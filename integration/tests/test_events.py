@@ -55,9 +55,11 @@ def test_saves_carry_block_stored_with_vllm_hashes_per_group(vllm_specs: Any) ->
     hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]
     assert [e.block_hashes for e in by_group[0] if e] == [[hashes[1]], [hashes[3]], [hashes[5]]]
     assert [e.parent_block_hash for e in by_group[0] if e] == [None, hashes[1], hashes[3]]
-    assert by_group[0][1] is not None and by_group[0][1].token_ids == TOKENS[64:128]
+    assert by_group[0][1] is not None
+    assert by_group[0][1].token_ids == TOKENS[64:128]
     mamba_events = [e for e in by_group[1] if e]
-    assert mamba_events and all(e.group_idx == 1 for e in mamba_events)
+    assert mamba_events
+    assert all(e.group_idx == 1 for e in mamba_events)
     assert {e.kv_cache_spec_kind for e in by_group[0] if e} != {
         e.kv_cache_spec_kind for e in mamba_events
     }

@@ -109,13 +109,18 @@ def test_connector_calls_and_mamba_hook_save_every_layer(rig: Rig) -> None:
     assert not rig.readable(1, BLOCKS)
     ctx[MIXER](63)
     assert rig.strategy.stats.layers_saved == 4
+    _end_step_saved_every_group(layerwise, rig)
+    assert not ctx[MIXER]._forward_hooks  # hooks removed on shutdown
+
+
+def _end_step_saved_every_group(layerwise: VllmLayerwise, rig: Rig) -> None:
+    """The step ends with its loads fine and every group's blocks in the pool; close."""
     end = layerwise.end_step()
     assert end.loads.ok
     assert end.saves is not None
     assert end.saves().bytes > 0
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
     layerwise.close()
-    assert not ctx[MIXER]._forward_hooks  # hooks removed on shutdown
 
 
 def test_cache_written_in_kernel_is_saved_after_the_kernel(rig: Rig) -> None:
@@ -154,9 +159,4 @@ def test_build_takes_layers_from_the_engine_layouts(rig: Rig) -> None:
         for name in sorted(n for n in names if n.endswith(f".l{layer}")):
             layerwise.wait_for_layer_load(name)
             layerwise.save_layer(name)
-    end = layerwise.end_step()
-    assert end.loads.ok
-    assert end.saves is not None
-    assert end.saves().bytes > 0
-    assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
-    layerwise.close()
+    _end_step_saved_every_group(layerwise, rig)

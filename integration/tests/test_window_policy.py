@@ -148,7 +148,7 @@ def test_backlog_never_exceeds_eight_outstanding_sends() -> None:
 
 def test_checkpoint_leaves_future_layer_gets_queued() -> None:
     store = GatedStore()
-    rig = Rig(store=store, options=PipelineOptions(prefetch_layers=2))
+    rig = Rig(store=store, options=PipelineOptions(prefetch_layers=2, granularity="layer"))
     try:
         rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
         run_forward(rig, BLOCKS, value=20)
@@ -211,15 +211,21 @@ def test_fatal_send_error_reaches_the_forward_and_the_step_is_drained() -> None:
         rig.close()
 
 
-def test_fatal_receive_error_reaches_the_forward_at_the_layer_that_needs_it() -> None:
+def _loading_with(get_error: Exception) -> tuple[Rig, GatedStore]:
+    """A rig whose blocks were saved, now in a step loading them, every get failing."""
     store = GatedStore()
     rig = Rig(store=store)
+    rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
+    run_forward(rig, BLOCKS, value=1)
+    rig.strategy.wait_for_save()
+    store.get_error = get_error
+    rig.strategy.begin_step(loads=rig.transfers(BLOCKS), saves=[])
+    return rig, store
+
+
+def test_fatal_receive_error_reaches_the_forward_at_the_layer_that_needs_it() -> None:
+    rig, store = _loading_with(RuntimeError("receive thread crashed (injected)"))
     try:
-        rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
-        run_forward(rig, BLOCKS, value=1)
-        rig.strategy.wait_for_save()
-        store.get_error = RuntimeError("receive thread crashed (injected)")
-        rig.strategy.begin_step(loads=rig.transfers(BLOCKS), saves=[])
         with pytest.raises(RuntimeError, match="injected"), rig.strategy.window(ATTENTION[0]):
             pytest.fail("the kernel must not run on KV that never arrived")
         assert not rig.strategy.active
@@ -230,14 +236,8 @@ def test_fatal_receive_error_reaches_the_forward_at_the_layer_that_needs_it() ->
 
 
 def test_failed_gets_are_reported_as_local_blocks_for_recompute() -> None:
-    store = GatedStore()
-    rig = Rig(store=store)
+    rig, _ = _loading_with(StoreUnavailable("segment gone (injected)"))
     try:
-        rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
-        run_forward(rig, BLOCKS, value=1)
-        rig.strategy.wait_for_save()
-        store.get_error = StoreUnavailable("segment gone (injected)")
-        rig.strategy.begin_step(loads=rig.transfers(BLOCKS), saves=[])
         with rig.strategy.window(ATTENTION[0]):
             failed = rig.strategy.failed_loads()  # groups 0 and 2 hold layer 0
             assert failed[0] == set(BLOCKS)

@@ -88,8 +88,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """The fixed lookup port (0: published by worker rank 0)."""
         return self.lookup_rpc_port or self.mooncake_rpc_port
 
-    def pipeline_options(self) -> PipelineOptions:
+    def pipeline_options(self, device: str) -> PipelineOptions:
+        """The transport's settings for caches on `device`: host caches go through the
+        registered staging buffer, one piece per object (a store call pays per piece over
+        TCP); device caches move by layer ranges, with no host copy."""
+        on_host = device.split(":", 1)[0] == "cpu"
         return PipelineOptions(
+            granularity="staged" if on_host else "layer",
             backlog=self.bench_layerwise_backlog,
             prefetch_layers=self.layerwise_prefetch_layers,
             max_transfer_blocks=self.layerwise_max_transfer_blocks,

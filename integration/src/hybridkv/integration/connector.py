@@ -189,8 +189,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
         self._pool = open_pool(self.config, self._instance, tp_rank)
-        engine = TransferEngine(self._pool.store, layouts, self.config.pipeline_options())
         device = self._vllm_config.device_config.device_type
+        options = self.config.pipeline_options(device)
+        engine = TransferEngine(self._pool.store, layouts, options, device)
         self._worker = WorkerSide(
             self.keys,
             engine,

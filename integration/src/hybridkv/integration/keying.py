@@ -74,6 +74,3 @@ class KeySpace:
     def keys(self, group: int, hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
         """Keys of `hashes` in plan group `group`, block-major, `heads` within a block."""
         return self._renderers[group].render_all(hashes, heads)
-
-    def all_heads(self, group: int) -> range:
-        return self.plan.groups[group].heads.heads
