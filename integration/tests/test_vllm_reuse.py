@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import _require
-from tinymodels import PROMPT, build
+from tinymodels import build, complete, new_llm
 
 HIT = 192  # every full 32-token block below the prompt's last token
 
@@ -54,39 +54,16 @@ class EventStream:
 def _run(
     model: Path, extra: dict[str, Any], events: EventStream | None = None
 ) -> tuple[list[int], list[float], int, dict]:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVEventsConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    events_config = None
     if events is not None:
         events_config = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint
         )
-    llm = LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=1024,
-        block_size=32,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,  # prefill in chunks
-        max_num_seqs=4,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridKVConnector", kv_role="kv_both", kv_connector_extra_config=extra
-        ),
-        kv_events_config=events_config if events is not None else None,
-    )
-    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, detokenize=False)
-    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params)
-    totals = get_kv_transfer_group().transfer_totals()
-    completion = out.outputs[0]
-    assert completion.logprobs is not None
-    logprobs = [
-        step[token].logprob
-        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-    ]
-    result = (list(completion.token_ids), logprobs, out.num_cached_tokens or 0, totals)
+    llm = new_llm(model, extra, kv_events_config=events_config)
+    result = (*complete(llm), get_kv_transfer_group().transfer_totals())
     instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
     llm.llm_engine.engine_core.shutdown()
     del llm

