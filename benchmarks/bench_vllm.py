@@ -1,12 +1,22 @@
-"""Time to first token of a vLLM instance, cold vs warm from another instance's stores.
+"""Time to first token of vLLM with hybridkv: cold, storing, and warm from another instance.
 
-A writer instance prefills a long prompt and stores its KV (and conv state) in a real
-Mooncake pool (master + segment holder on loopback), then exits. A reference instance
-without the connector measures cold TTFT; reader instances started afterwards measure warm
-TTFT on prompts sharing the writer's prefix, whole-block and (if the connector accepts it)
-layerwise. TTFT is vLLM's own ``first_token_latency`` of one request at a time, after a
-warm-up request; medians of a few repetitions are printed side by side, with the ratio.
-Runs standalone: ``python benchmarks/bench_vllm.py`` (a few minutes on 2 cores).
+Every instance is its own process with the engine in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the connector's running transfer totals can be
+read), on a real Mooncake pool (master + segment holder on loopback). In order:
+
+1. no connector: cold TTFT of the long prompt;
+2. a whole-block writer: the same prompt cold while storing it (store overhead = writer /
+   cold), then exits;
+3. a whole-block reader: the prompt's prefix comes from the writer's objects (warm);
+4. layerwise instances, one per (prefetch, backlog) setting: each first stores a prompt of
+   its own (cold + layerwise puts: the backlog and step-end waits), then reads the writer's
+   prefix (warm: the get waits). The exposed tail is the forward time spent blocked on
+   transfers, from the connector's counters.
+
+TTFT is vLLM's own ``first_token_latency`` of one request at a time after a warm-up
+request; figures are medians of ``--repeats`` requests. Ratios compare runs made one after
+another on the same machine, so a busy machine skews them: read them on a quiet one.
+Run: ``python benchmarks/bench_vllm.py`` (about 5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -21,90 +31,175 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
-from vllm_instance import InstanceError, InstanceResult, InstanceSpec, Step, run_instance
+from vllm_instance import InstanceResult, InstanceSpec, PromptResult, Step, run_instance
 
+from hybridkv.integration.config import parse_extra_config
 from hybridkv.transport import MasterProcess, SegmentHolder
 
 BLOCK = 32
-CHUNK = 512  # tokens prefilled per step
+CHUNK = 512  # tokens prefilled per step; the shared prefix is a whole number of chunks
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # transfer totals need it
+PREFETCH = (0, 1, 2, 4)
+BACKLOG_DEFAULT = 8
+TAIL_KEYS = ("load_wait_s", "backlog_wait_s", "finish_wait_s", "exposed_tail_s")
 
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(tinymodels.BUILDERS), default="lfm2")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
 
 
+def _smallest_backlog() -> int:
+    """0 if the connector accepts it (the transport does), else 1."""
+    try:
+        parse_extra_config({"_layerwise_backlog": 0})
+    except ValueError:
+        return 1
+    return 0
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _ttft(prompts: list[PromptResult]) -> float:
+    return _median([p.first_token_latency_s for p in prompts])
+
+
+def _tail(prompts: list[PromptResult], key: str) -> float:
+    return _median([(p.transfer or {}).get(key, float("nan")) for p in prompts])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f}"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        self.args = args
+        self.runs = root / "runs"
+        self.model = tinymodels.build(args.model, root / "models", args.layers, args.hidden)
+        self.prefix = tinymodels.prompt_ids(1, args.prefix_tokens)
+        # the warm requests: the shared prefix plus a suffix of their own
+        self.warm_prompts = [self.prefix + tinymodels.prompt_ids(100 + i, 16) for i in range(3)]
+        self.warm_prompts = self.warm_prompts[: args.repeats]
+        self.env: dict[str, str] = dict(IN_PROCESS)
+
+    def fresh_prompt(self, seed: int) -> list[int]:
+        """A prompt as long as the warm ones that nothing has stored."""
+        return tinymodels.prompt_ids(seed, len(self.warm_prompts[0]))
+
+    def run(
+        self, name: str, connector: dict[str, object] | None, steps: list[list[list[int]]]
+    ) -> InstanceResult:
+        warmup = Step(prompts=[tinymodels.prompt_ids(2, CHUNK + 8)], max_tokens=1, logprobs=1)
+        spec = InstanceSpec(
+            model=str(self.model.path),
+            block_size=BLOCK,
+            max_model_len=self.args.prefix_tokens + 256,
+            max_num_batched_tokens=CHUNK,
+            connector=connector,
+            steps=[
+                warmup,
+                *(
+                    Step(prompts=p, max_tokens=1, logprobs=1, transfer_totals=connector is not None)
+                    for p in steps
+                ),
+            ],
+        )
+        return run_instance(spec, self.runs, name, self.env)
+
+
 def main() -> int:
     args = _parse_args()
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-") as scratch:
-        root = Path(scratch)
-        model = tinymodels.build(args.model, root / "models", args.layers, args.hidden)
-        prefix = tinymodels.prompt_ids(1, args.prefix_tokens)
-        # each repetition: the shared prefix plus a suffix of its own (a fresh request)
-        prompts = [prefix + tinymodels.prompt_ids(100 + i, 16) for i in range(args.repeats)]
-        warmup = Step(prompts=[tinymodels.prompt_ids(2, CHUNK + 8)], max_tokens=1, logprobs=1)
-
-        def spec(connector: dict[str, object] | None, measured: list[list[int]]) -> InstanceSpec:
-            return InstanceSpec(
-                model=str(model.path),
-                block_size=BLOCK,
-                max_model_len=args.prefix_tokens + 256,
-                max_num_batched_tokens=CHUNK,
-                connector=connector,
-                steps=[warmup, Step(prompts=measured, max_tokens=1, logprobs=1)],
-            )
-
-        def ttfts(result: InstanceResult) -> list[float]:
-            return [p.first_token_latency_s for p in result.steps[1].prompts]
-
-        runs = root / "runs"
+        bench = Bench(args, Path(scratch))
+        n = len(bench.warm_prompts[0])
         print(
-            f"model {args.model} ({model.kv_groups}), {args.layers} layers, hidden "
-            f"{args.hidden}, float32; prompt {len(prompts[0])} tokens "
-            f"({args.prefix_tokens} shared), chunk {CHUNK}; medians of {args.repeats}",
+            f"bench_vllm: {args.model} ({bench.model.kv_groups}), {args.layers} layers, hidden "
+            f"{args.hidden}, float32; prompt {n} tokens ({args.prefix_tokens} "
+            f"shared), {CHUNK}-token chunks; TTFT medians of {len(bench.warm_prompts)} "
+            "requests, each instance a process of its own",
             flush=True,
         )
-        cold = run_instance(spec(None, prompts[:2]), runs, "cold", {})
-        cold_ttft = statistics.median(ttfts(cold))
-        print(f"cold TTFT (no connector)        {cold_ttft * 1e3:9.1f} ms", flush=True)
+        fresh = [bench.fresh_prompt(200 + i) for i in range(len(bench.warm_prompts))]
+        cold = _ttft(bench.run("cold", None, [fresh]).steps[1].prompts)
+        print(f"  cold, no connector             TTFT {_ms(cold)} ms", flush=True)
 
-        with MasterProcess.start() as master, SegmentHolder.start(master.address, "1GB"):
-            config_path = root / "mooncake.json"
+        with MasterProcess.start() as master, SegmentHolder.start(master.address, "2GB"):
+            config_path = Path(scratch) / "mooncake.json"
             config_path.write_text(
                 json.dumps(
                     {
                         "master_server_address": master.address,
-                        "global_segment_size": 0,
-                        "local_buffer_size": 128 << 20,
+                        "global_segment_size": 0,  # store into the holder: data outlives us
+                        "local_buffer_size": 256 << 20,
                     }
                 )
             )
-            env = {"MOONCAKE_CONFIG_PATH": str(config_path)}
-            writer = run_instance(spec({"namespace": "bench"}, [[*prefix, 7]]), runs, "writer", env)
+            bench.env["MOONCAKE_CONFIG_PATH"] = str(config_path)
+            shared = {"namespace": "bench"}
+            # the writer stores the shared prefix (first prompt) and two fresh prompts
+            writer_prompts = [bench.warm_prompts[0], *fresh[1:]]
+            writer = bench.run("writer", shared, [writer_prompts]).steps[1].prompts
+            stored = _ttft(writer)
             print(
-                f"writer TTFT (cold, storing)     {ttfts(writer)[0] * 1e3:9.1f} ms",
+                f"  whole-block writer (storing)   TTFT {_ms(stored)} ms"
+                f"   store overhead {stored / cold:5.2f}x cold",
                 flush=True,
             )
-            for mode, layerwise in (("whole-block", False), ("layerwise", True)):
-                connector = {"namespace": "bench", "use_layerwise": layerwise}
-                try:
-                    reader = run_instance(spec(connector, prompts), runs, f"reader-{mode}", env)
-                except InstanceError as error:
-                    last = str(error).strip().splitlines()[-1]
-                    print(f"warm TTFT {mode:<21} not measured: the instance failed ({last})")
-                    continue
-                warm = statistics.median(ttfts(reader))
-                hits = [p.external_hit_tokens for p in reader.steps[1].prompts]
-                print(
-                    f"warm TTFT {mode:<21} {warm * 1e3:9.1f} ms  cold/warm {cold_ttft / warm:5.2f}x"
-                    f"  (external hits {hits})",
-                    flush=True,
+            reader = bench.run("reader-whole", shared, [bench.warm_prompts]).steps[1].prompts
+            warm_whole = _ttft(reader)
+            print(
+                f"  whole-block reader (warm)      TTFT {_ms(warm_whole)} ms"
+                f"   cold/warm {cold / warm_whole:5.2f}x   hits "
+                f"{[p.external_hit_tokens for p in reader]}",
+                flush=True,
+            )
+
+            smallest = _smallest_backlog()
+            settings = [(p, BACKLOG_DEFAULT) for p in PREFETCH] + [(2, smallest)]
+            rows = []
+            for seed, (prefetch, backlog) in enumerate(settings, start=300):
+                connector = {
+                    **shared,
+                    "use_layerwise": True,
+                    "layerwise_prefetch_layers": prefetch,
+                    "_layerwise_backlog": backlog,
+                }
+                result = bench.run(
+                    f"layerwise-p{prefetch}-b{backlog}",
+                    connector,
+                    [[bench.fresh_prompt(seed)], bench.warm_prompts],
                 )
+                rows.append((prefetch, backlog, result.steps[1].prompts, result.steps[2].prompts))
+                if (prefetch, backlog) == (2, BACKLOG_DEFAULT):
+                    warm_layerwise = _ttft(result.steps[2].prompts)
+                    print(
+                        f"  layerwise reader (warm)        TTFT {_ms(warm_layerwise)} ms"
+                        f"   cold/warm {cold / warm_layerwise:5.2f}x   layerwise/whole-block "
+                        f"{warm_layerwise / warm_whole:5.2f}x",
+                        flush=True,
+                    )
+        if smallest:
+            print(f"  (the connector refuses _layerwise_backlog 0: smallest run is {smallest})")
+        print(
+            "\n  exposed transfer tail, layerwise (ms of forward blocked on transfers, medians)"
+            "\n  prefetch backlog | storing: TTFT  backlog_wait finish_wait | "
+            "warm: TTFT  load_wait exposed_tail"
+        )
+        for prefetch, backlog, storing, warm in rows:
+            print(
+                f"  {prefetch:8d} {backlog:7d} | {_ms(_ttft(storing))} "
+                f"{_ms(_tail(storing, 'backlog_wait_s'))}    {_ms(_tail(storing, 'finish_wait_s'))}"
+                f" | {_ms(_ttft(warm))} {_ms(_tail(warm, 'load_wait_s'))}"
+                f"     {_ms(_tail(warm, 'exposed_tail_s'))}"
+            )
     return 0
 
 

@@ -116,7 +116,9 @@ BUILDERS: dict[str, tuple[Callable[[int, int], Any], str]] = {
 def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyModel:
     """Build (or reuse, if already saved under ``root``) model ``name``."""
     import torch
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # no "Writing model shards" bar in reports
     builder, groups = BUILDERS[name]
     directory = root / f"{name}-l{layers}-h{hidden}"
     marker = directory / "tinymodel.json"

@@ -43,6 +43,8 @@ class Step(msgspec.Struct, kw_only=True):
     snapshot_keys: bool = False  # list the pool's keys once the stores have settled
     # drop the local prefix cache before each prompt, so only the connector can give hits
     reset_prefix_cache: bool = True
+    # report the connector's transfer totals of each prompt (needs the in-process engine)
+    transfer_totals: bool = False
 
 
 class InstanceSpec(msgspec.Struct, kw_only=True):
@@ -70,6 +72,8 @@ class PromptResult(msgspec.Struct, kw_only=True):
     external_hit_tokens: int
     first_token_latency_s: float
     wall_s: float
+    # the connector's counters summed over this prompt (Step.transfer_totals)
+    transfer: dict[str, float] | None = None
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -180,6 +184,14 @@ def _settled_keys(master_http: str, quiet_s: float = 1.0, timeout_s: float = 30.
     return keys
 
 
+def _transfer_totals() -> dict[str, float]:
+    """The in-process connector's counters since the last call (then reset)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    totals: dict[str, float] = get_kv_transfer_group().transfer_totals(reset=True)
+    return totals
+
+
 def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -187,10 +199,13 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     params = SamplingParams(temperature=0.0, max_tokens=step.max_tokens, logprobs=step.logprobs)
     if step.reset_prefix_cache:
         llm.reset_prefix_cache()
+    if step.transfer_totals:
+        _transfer_totals()
     hits_before = _external_hits(llm)
     started = time.perf_counter()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     wall = time.perf_counter() - started
+    transfer = _transfer_totals() if step.transfer_totals else None
     completion = output.outputs[0]
     metrics = output.metrics
     return PromptResult(
@@ -203,6 +218,7 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
         external_hit_tokens=_external_hits(llm) - hits_before,
         first_token_latency_s=float(getattr(metrics, "first_token_latency", 0.0) or 0.0),
         wall_s=wall,
+        transfer=transfer,
     )
 
 
