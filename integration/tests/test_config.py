@@ -47,7 +47,7 @@ def test_every_key_is_accepted() -> None:
         ({"lookup_rpc_port": 70000}, "lookup_rpc_port"),
         ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
         ({"layerwise_prefetch_layers": -1}, "layerwise_prefetch_layers"),
-        ({"_layerwise_backlog": 0}, "_layerwise_backlog"),
+        ({"_layerwise_backlog": -1}, "_layerwise_backlog"),
         ({"consumer_is_to_put": 1}, "consumer_is_to_put"),
         ({"save_decode_caches": True}, "save_decode_caches"),
         ({"prefill_pp_size": 2}, "prefill_pp_size"),
@@ -92,7 +92,7 @@ def test_ascend_store_connector_config_carries_over() -> None:
     options = config.pipeline_options("cpu")
     assert (options.prefetch_layers, options.max_transfer_blocks) == (1, 4)
     assert options.backlog == 8
-    assert parse_extra_config({"_layerwise_backlog": 1}).pipeline_options("cpu").backlog == 1
+    assert parse_extra_config({"_layerwise_backlog": 0}).pipeline_options("cpu").backlog == 0
     # host caches are staged (one piece per object); device caches move by layer ranges
     assert options.granularity == "staged"
     assert config.pipeline_options("cuda:0").granularity == "layer"

@@ -117,6 +117,28 @@ def test_step_end_waits_for_every_put_when_the_last_layer_has_nothing_to_save() 
         rig.close()
 
 
+def test_backlog_zero_leaves_no_put_outstanding_past_a_checkpoint() -> None:
+    """`_layerwise_backlog: 0`: each layer's checkpoint waits for its put."""
+    store = GatedStore()
+    store.put_gate.clear()
+    rig = Rig(store=store, options=PipelineOptions(backlog=0, granularity="layer"))
+    try:
+        rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
+        threading.Timer(0.05, store.put_gate.set).start()
+        for layer, name in enumerate(ATTENTION):
+            rig.fill(layer, BLOCKS, layer)
+            with rig.strategy.window(name):
+                pass
+            assert store.put_gate.is_set()  # the first checkpoint waited for the held put
+            assert rig.engine.backlog.outstanding == 0
+        result = rig.strategy.wait_for_save()
+        assert result is not None
+        assert result.ok
+        assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
+    finally:
+        rig.close()
+
+
 def test_backlog_never_exceeds_eight_outstanding_sends() -> None:
     layers = tuple(range(20))
     store = GatedStore()

@@ -34,8 +34,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     layerwise_prefetch_layers: NonNegative = 2
     layerwise_max_transfer_blocks: NonNegative = 0
     layerwise_max_transfer_bytes: NonNegative = 0
-    # Benchmark-only: layer puts outstanding at a checkpoint (the transport's backlog).
-    bench_layerwise_backlog: Positive = msgspec.field(name="_layerwise_backlog", default=8)
+    # Benchmark-only: layer puts outstanding at a checkpoint (the transport's backlog;
+    # 0: every checkpoint waits for the puts queued so far).
+    bench_layerwise_backlog: NonNegative = msgspec.field(name="_layerwise_backlog", default=8)
     # Loads run in the background while the request waits (vLLM's async load path).
     load_async: bool = False
     # kv_role "kv_consumer" (a decode instance) neither saves nor loads unless told to.
