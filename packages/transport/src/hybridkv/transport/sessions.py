@@ -1,10 +1,10 @@
 """Put and get sessions of one batch of objects: which store calls move which bytes.
 
 Three granularities answer the same questions (open, move a layer, commit, drop):
-- staged: each object is assembled in registered host staging memory (a memcpy per layer
-  as the layer becomes ready) and moves as ONE piece per key, put once all of the group's
-  layers are staged; reads fetch whole objects into staging at once and copy each layer
-  out when it is needed;
+- staged: each object moves as ONE piece per key through registered host staging memory:
+  once all of a group's layers are ready its objects are gathered into staging part by
+  part, each part put while the next is gathered; reads fetch whole objects part by part
+  and scatter each part into the caches while the next one is fetched;
 - ranged: put/get sessions; each layer's byte ranges move on their own, a group commits
   once all of its own layers were written; nothing is readable before the commit;
 - whole: each group's objects move in one multi-buffer call (one piece per layer), written
@@ -21,6 +21,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, wait
 
 import msgspec
 import numpy as np
@@ -36,6 +37,10 @@ from hybridkv.transport.store import Store
 log = logging.getLogger(__name__)
 
 Rows = np.ndarray  # indices into a GroupBatch
+# A staged call is cut into about this many parts (none under MIN_PART_BYTES), so that the
+# copy of one part overlaps the store call of another.
+OVERLAP_PARTS = 8
+MIN_PART_BYTES = 4 << 20
 
 
 class TransferResult(msgspec.Struct):
@@ -160,25 +165,38 @@ class GroupBatch:
                 pool.free(segment.slab)
         self.segments = []
 
-    def copy_layer(self, layer: int, into_staging: bool) -> None:
-        """Copy one layer of the live staged rows between the caches and their slabs."""
-        for index in self.layout.entries_of_layer(layer):
-            entry = self.layout.entries[index]
-            view = self._views.get(index)
-            if view is None:
-                view = self._views[index] = host_view(entry, self.blocks)
-            start = self.layout.offset_of(index)
-            stop = start + entry.block_bytes
-            for segment in self.segments:
-                if segment.slab is None:
-                    continue
-                rows = np.flatnonzero(self.alive[segment.start : segment.stop])
-                staged = segment.slab.array[:, start:stop]
-                blocks = self.blocks[segment.start + rows]
-                if into_staging:
-                    staged[rows] = view[blocks]
+    def copy_rows(self, rows: Rows, into_staging: bool) -> None:
+        """Copy every entry of the staged `rows` (ascending) between the caches and slabs.
+
+        One numpy copy per (entry, slab): a run of consecutive rows (the usual case) is a
+        strided view of the slab that `np.take` fills in place, without a temporary.
+        """
+        for segment in self.segments:
+            if segment.slab is None:
+                continue
+            low, high = np.searchsorted(rows, [segment.start, segment.stop])
+            if low == high:
+                continue
+            local = rows[low:high] - segment.start
+            blocks = self.blocks[rows[low:high]]
+            dense = int(local[-1]) - int(local[0]) + 1 == len(local)
+            slots: slice | Rows = slice(int(local[0]), int(local[-1]) + 1) if dense else local
+            for index, entry in enumerate(self.layout.entries):
+                start = self.layout.offset_of(index)
+                staged = segment.slab.array[slots, start : start + entry.block_bytes]
+                view = self._view(index)
+                if not into_staging:
+                    view[blocks] = staged
+                elif dense:
+                    np.take(view, blocks, axis=0, out=staged, mode="clip")  # ids checked
                 else:
-                    view[blocks] = staged[rows]
+                    segment.slab.array[slots, start : start + entry.block_bytes] = view[blocks]
+
+    def _view(self, index: int) -> Bytes:
+        view = self._views.get(index)
+        if view is None:
+            view = self._views[index] = host_view(self.layout.entries[index], self.blocks)
+        return view
 
 
 class Segment:
@@ -236,6 +254,33 @@ class Call:
 
 
 StoreCall = Callable[[slice], list[Status]]
+PartCopy = Callable[[slice], None]
+
+
+def copy_part(call: Call, part: slice, into_staging: bool) -> None:
+    """Copy the staged, still live rows of one slice of a call (unstaged ones are skipped)."""
+    by_batch: dict[int, tuple[GroupBatch, list[int]]] = {}
+    for batch, row in call.rows[part]:
+        if batch.alive[row]:
+            by_batch.setdefault(id(batch), (batch, []))[1].append(row)
+    for batch, rows in by_batch.values():
+        batch.copy_rows(np.array(rows, dtype=np.int64), into_staging)
+
+
+def finer(parts: Sequence[slice], nbytes: Sequence[int]) -> list[slice]:
+    """`parts` cut into about OVERLAP_PARTS slices of at least MIN_PART_BYTES."""
+    target = max(MIN_PART_BYTES, sum(nbytes) // OVERLAP_PARTS)
+    cut: list[slice] = []
+    for part in parts:
+        start, stop = part.start, part.stop
+        used = 0
+        for index in range(start, stop):
+            used += nbytes[index]
+            if used >= target and index + 1 < stop:
+                cut.append(slice(start, index + 1))
+                start, used = index + 1, 0
+        cut.append(slice(start, stop))
+    return cut
 
 
 class Transfers:
@@ -267,23 +312,76 @@ class Transfers:
             for batch in self.batches.values() if batches is None else batches:
                 batch.unstage(self.pool)
 
-    def issue(self, call: Call, operation: str, send: StoreCall) -> list[tuple[GroupBatch, int]]:
-        """Run `send` over the limit-sized slices of `call`; returns the rows that failed."""
+    def issue(
+        self,
+        call: Call,
+        operation: str,
+        send: StoreCall,
+        before: PartCopy | None = None,
+        after: PartCopy | None = None,
+    ) -> list[tuple[GroupBatch, int]]:
+        """Run `send` over the limit-sized slices of `call`; returns the rows that failed.
+
+        `before` (copy a slice into staging before its call) or `after` (copy it out once
+        its call is done; failed rows are dropped first) pipeline the slices on the staging
+        pool's call threads: the copy of one slice runs while another's call moves bytes.
+        """
+        parts = self.options.split(call.nbytes, call.pieces)
+        if self.pool is None or (before is None and after is None):
+            failed: list[tuple[GroupBatch, int]] = []
+            for part in parts:
+                failed += self._settle(call, part, operation, _guarded(send, part, operation))
+            return failed
+        parts = finer(parts, call.nbytes)
+        if before is not None:
+            return self._put_pipelined(call, parts, operation, send, before)
+        assert after is not None
+        return self._get_pipelined(call, parts, operation, send, after)
+
+    def _put_pipelined(
+        self, call: Call, parts: list[slice], operation: str, send: StoreCall, before: PartCopy
+    ) -> list[tuple[GroupBatch, int]]:
+        assert self.pool is not None
+        calls: list[Future[list[Status]]] = []
+        try:
+            for part in parts:
+                before(part)
+                calls.append(self.pool.calls.submit(_guarded, send, part, operation))
+        finally:
+            wait(calls)  # even if a copy failed: a call may still read the slabs
         failed: list[tuple[GroupBatch, int]] = []
-        for part in self.options.split(call.nbytes, call.pieces):
-            try:
-                statuses = send(part)
-            except StoreError as exc:
-                log.warning("%s of %d keys failed: %s", operation, len(call.keys[part]), exc)
-                statuses = [Status.OTHER] * len(call.keys[part])
-            for (batch, row), nbytes, status in zip(
-                call.rows[part], call.nbytes[part], statuses, strict=True
-            ):
-                if status.ok:
-                    self.outcome.moved(nbytes)
-                else:
-                    failed.append((batch, row))
-            _log_failures(operation, statuses)
+        for part, done in zip(parts, calls, strict=True):
+            failed += self._settle(call, part, operation, done.result())
+        return failed
+
+    def _get_pipelined(
+        self, call: Call, parts: list[slice], operation: str, send: StoreCall, after: PartCopy
+    ) -> list[tuple[GroupBatch, int]]:
+        assert self.pool is not None
+        calls = [self.pool.calls.submit(_guarded, send, part, operation) for part in parts]
+        failed: list[tuple[GroupBatch, int]] = []
+        try:
+            for part, done in zip(parts, calls, strict=True):
+                failed_here = self._settle(call, part, operation, done.result())
+                self.fail(failed_here)  # before the copy: failed rows are never written
+                failed += failed_here
+                after(part)
+        finally:
+            wait(calls)  # even if a copy failed: a call may still write the slabs
+        return failed
+
+    def _settle(
+        self, call: Call, part: slice, operation: str, statuses: list[Status]
+    ) -> list[tuple[GroupBatch, int]]:
+        failed: list[tuple[GroupBatch, int]] = []
+        for (batch, row), nbytes, status in zip(
+            call.rows[part], call.nbytes[part], statuses, strict=True
+        ):
+            if status.ok:
+                self.outcome.moved(nbytes)
+            else:
+                failed.append((batch, row))
+        _log_failures(operation, statuses)
         return failed
 
     def fail(self, rows: Iterable[tuple[GroupBatch, int]]) -> None:
@@ -317,6 +415,15 @@ class Transfers:
                 else:
                     call.add_staged(batch, live, segment, segment.slab)
         return call
+
+
+def _guarded(send: StoreCall, part: slice, operation: str) -> list[Status]:
+    """The statuses of one call; a store error fails every key of it (OTHER)."""
+    try:
+        return send(part)
+    except StoreError as exc:
+        log.warning("%s of %d keys failed: %s", operation, part.stop - part.start, exc)
+        return [Status.OTHER] * (part.stop - part.start)
 
 
 class Writes(Transfers, ABC):
@@ -486,20 +593,21 @@ class WholeWrites(Writes):
         call = self.whole_call(batches)
         if not call.keys:
             return
-        failed = self.issue(
-            call,
-            "batch_put_whole",
-            lambda part: self.store.batch_put_whole(
-                call.keys[part], call.ptrs[part], call.sizes[part]
-            ),
-        )
-        self.fail(failed)
+        self.fail(self._put(call))
         self._commit_rows((batch, int(row)) for batch in batches for row in batch.live())
         for batch in batches:
             batch.alive[:] = False
 
     def drop(self, batches: Sequence[GroupBatch]) -> None:
         self.fail_all(batches)
+
+    def _put(self, call: Call) -> list[tuple[GroupBatch, int]]:
+        return self.issue(call, "batch_put_whole", self._put_whole(call))
+
+    def _put_whole(self, call: Call) -> StoreCall:
+        return lambda part: self.store.batch_put_whole(
+            call.keys[part], call.ptrs[part], call.sizes[part]
+        )
 
 
 class Reads(Transfers, ABC):
@@ -535,9 +643,11 @@ class Reads(Transfers, ABC):
     @abstractmethod
     def end(self) -> None: ...
 
-    def _read(self, call: Call, operation: str, send: StoreCall) -> None:
+    def _read(
+        self, call: Call, operation: str, send: StoreCall, after: PartCopy | None = None
+    ) -> None:
         if call.keys:
-            self.fail(self.issue(call, operation, send))
+            self.fail(self.issue(call, operation, send, after=after))
 
 
 class RangedReads(Reads):
@@ -647,21 +757,12 @@ class WholeReads(Reads):
 
 
 class StagedWrites(WholeWrites):
-    """Objects assembled in staging slabs layer by layer, put one piece per key per group."""
+    """Objects put one piece per key from staging slabs, once all of a group's layers are
+    ready: the group is gathered into its slabs part by part, each part put while the next
+    is gathered (the caches stay valid until the step ends, as for "group")."""
 
     def open(self) -> None:
         self.stage()
-
-    def write_ranges(self, layer: int) -> None:
-        for group, missing in self._missing.items():
-            if layer in missing:
-                self.batches[group].copy_layer(layer, into_staging=True)
-
-    def write_all(self) -> None:
-        for batch in self.batches.values():
-            for layer in batch.layout.layers:
-                batch.copy_layer(layer, into_staging=True)
-        super().write_all()
 
     def commit(self, batches: Sequence[GroupBatch]) -> None:
         try:
@@ -673,11 +774,20 @@ class StagedWrites(WholeWrites):
         super().drop(batches)
         self.unstage(batches)
 
+    def _put(self, call: Call) -> list[tuple[GroupBatch, int]]:
+        return self.issue(
+            call,
+            "batch_put_whole",
+            self._put_whole(call),
+            before=lambda part: copy_part(call, part, into_staging=True),
+        )
+
 
 class StagedReads(Reads):
-    """Whole objects fetched into staging slabs at once (one piece per key); each layer
-    is copied into the caches when it is read. Objects without a slab are read straight
-    into the caches, piece by piece, at the start."""
+    """Whole objects fetched into staging slabs part by part (one piece per key) at the
+    step's start, each part scattered into the caches while the next is fetched; the slabs
+    are free again before the first layer is used. Objects without a slab are read straight
+    into the caches, piece by piece."""
 
     def __init__(
         self,
@@ -688,25 +798,27 @@ class StagedReads(Reads):
         pool: StagingPool | None = None,
     ) -> None:
         super().__init__(store, options, batches, outcome, pool)
-        self.layers = sorted({layer for b in batches.values() for layer in b.layout.layers})
+        self.layers = sorted({batch.layout.first_layer for batch in batches.values()})
 
     def start(self) -> None:
         self.stage()
         call = self.whole_call(self.batches.values())
-        if any(segment.slab is None for b in self.batches.values() for segment in b.segments):
+        if call.keys:
             self.caches_writable()
-        self._read(
-            call,
-            "batch_get_whole",
-            lambda part: self.store.batch_get_whole(
-                call.keys[part], call.ptrs[part], call.sizes[part]
-            ),
-        )
+        try:
+            self._read(
+                call,
+                "batch_get_whole",
+                lambda part: self.store.batch_get_whole(
+                    call.keys[part], call.ptrs[part], call.sizes[part]
+                ),
+                after=lambda part: copy_part(call, part, into_staging=False),
+            )
+        finally:
+            self.unstage()
 
     def read_layer(self, layer: int) -> None:
-        self.caches_writable()
-        for batch in self.batches.values():
-            batch.copy_layer(layer, into_staging=False)
+        return None  # every layer landed at the start
 
     def end(self) -> None:
         self.unstage()

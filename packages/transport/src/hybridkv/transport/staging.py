@@ -10,6 +10,9 @@ It never grows: a request that finds it full gets nothing and moves its objects 
 (piece by piece, straight from the caches). It never waits for space: the holder of a slab
 may be a layerwise step that frees it only after jobs queued behind the waiter, on the same
 FIFO thread.
+
+The pool also owns the threads that make staged store calls, so the copy of one part of a
+batch overlaps the store call of another (Mooncake releases the GIL while it moves bytes).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +64,8 @@ class StagingPool:
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (start, size), by start
         self.in_use = 0
         self.peak = 0
+        # Two: the send and the receive thread each keep one store call in flight.
+        self.calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-staged")
 
     def allocate(self, rows: int, width: int) -> Slab | None:
         """A slab for `rows` objects of `width` bytes, or None if the pool has no such room."""
@@ -108,6 +114,7 @@ class StagingPool:
 
     def close(self) -> None:
         """Unregister and free the buffer (no slab may be in use: the engine has drained)."""
+        self.calls.shutdown(wait=True)
         with self._lock:
             self._closed = True
             array, self._array = self._array, None
