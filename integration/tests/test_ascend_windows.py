@@ -200,6 +200,8 @@ def test_layerwise_loads_land_before_each_attention_op(model: AscendModel) -> No
         else:
             model.dsa.forward(name, None, model.rig.caches[0, 2], metadata, output=[])
     model.layerwise.end_step()
+    assert ascend_runtime.device is not None
+    ascend_runtime.device.synchronize()  # the fake kernels run on their own stream
     block_bytes = model.rig.caches[0, 0].shape[1]
     assert seen == {name: (50 + i) * block_bytes * len(BLOCKS) for i, name in enumerate(NAMES)}
 
