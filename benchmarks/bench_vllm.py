@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -41,7 +42,6 @@ CHUNK = 512  # tokens prefilled per step; the shared prefix is a whole number of
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # transfer totals need it
 PREFETCH = (0, 1, 2, 4)
 BACKLOG_DEFAULT = 8
-TAIL_KEYS = ("load_wait_s", "backlog_wait_s", "finish_wait_s", "exposed_tail_s")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -86,13 +86,15 @@ class Bench:
         self.model = tinymodels.build(args.model, root / "models", args.layers, args.hidden)
         self.prefix = tinymodels.prompt_ids(1, args.prefix_tokens)
         # the warm requests: the shared prefix plus a suffix of their own
-        self.warm_prompts = [self.prefix + tinymodels.prompt_ids(100 + i, 16) for i in range(3)]
-        self.warm_prompts = self.warm_prompts[: args.repeats]
+        self.warm_prompts: list[list[int]] = [
+            self.prefix + tinymodels.prompt_ids(100 + i, 16) for i in range(args.repeats)
+        ]
         self.env: dict[str, str] = dict(IN_PROCESS)
 
     def fresh_prompt(self, seed: int) -> list[int]:
         """A prompt as long as the warm ones that nothing has stored."""
-        return tinymodels.prompt_ids(seed, len(self.warm_prompts[0]))
+        prompt: list[int] = tinymodels.prompt_ids(seed, len(self.warm_prompts[0]))
+        return prompt
 
     def run(
         self, name: str, connector: dict[str, object] | None, steps: list[list[list[int]]]
@@ -127,6 +129,7 @@ def main() -> int:
             "requests, each instance a process of its own",
             flush=True,
         )
+        load_before = os.getloadavg()[0]
         fresh = [bench.fresh_prompt(200 + i) for i in range(len(bench.warm_prompts))]
         cold = _ttft(bench.run("cold", None, [fresh]).steps[1].prompts)
         print(f"  cold, no connector             TTFT {_ms(cold)} ms", flush=True)
@@ -143,7 +146,7 @@ def main() -> int:
                 )
             )
             bench.env["MOONCAKE_CONFIG_PATH"] = str(config_path)
-            shared = {"namespace": "bench"}
+            shared: dict[str, object] = {"namespace": "bench"}
             # the writer stores the shared prefix (first prompt) and two fresh prompts
             writer_prompts = [bench.warm_prompts[0], *fresh[1:]]
             writer = bench.run("writer", shared, [writer_prompts]).steps[1].prompts
@@ -190,16 +193,21 @@ def main() -> int:
             print(f"  (the connector refuses _layerwise_backlog 0: smallest run is {smallest})")
         print(
             "\n  exposed transfer tail, layerwise (ms of forward blocked on transfers, medians)"
-            "\n  prefetch backlog | storing: TTFT  backlog_wait finish_wait | "
-            "warm: TTFT  load_wait exposed_tail"
+            "\n  prefetch backlog | storing: TTFT  backlog_wait finish_wait      tail | "
+            "warm: TTFT  load_wait finish_wait      tail"
         )
         for prefetch, backlog, storing, warm in rows:
             print(
                 f"  {prefetch:8d} {backlog:7d} | {_ms(_ttft(storing))} "
                 f"{_ms(_tail(storing, 'backlog_wait_s'))}    {_ms(_tail(storing, 'finish_wait_s'))}"
-                f" | {_ms(_ttft(warm))} {_ms(_tail(warm, 'load_wait_s'))}"
-                f"     {_ms(_tail(warm, 'exposed_tail_s'))}"
+                f"  {_ms(_tail(storing, 'exposed_tail_s'))} | {_ms(_ttft(warm))} "
+                f"{_ms(_tail(warm, 'load_wait_s'))}    {_ms(_tail(warm, 'finish_wait_s'))}"
+                f"  {_ms(_tail(warm, 'exposed_tail_s'))}"
             )
+        print(
+            f"  1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} "
+            f"at the end on {os.cpu_count()} CPUs: above ~1 other work skews the ratios"
+        )
     return 0
 
 

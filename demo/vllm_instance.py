@@ -188,7 +188,8 @@ def _transfer_totals() -> dict[str, float]:
     """The in-process connector's counters since the last call (then reset)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    totals: dict[str, float] = get_kv_transfer_group().transfer_totals(reset=True)
+    connector: Any = get_kv_transfer_group()  # hybridkv's HybridKVConnector
+    totals: dict[str, float] = connector.transfer_totals(reset=True)
     return totals
 
 
