@@ -11,6 +11,7 @@ from _engine_drive import LayerCheck, engine_for, read_object, save, unique_pref
 from _engine_model import NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingOpenStore, fail_at_call
 
+from hybridkv.transport import sessions
 from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
@@ -82,8 +83,13 @@ def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
     assert_clean(store, outstanding)
 
 
-@pytest.mark.parametrize("mode", ["layer", "group"])
-def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["layer", "group", "staged"])
+def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Staged calls cut into one part per key: the broken key's part sits between good ones.
+    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
     store = MemoryStore()
     prefix = unique_prefix()
     source, target = Caches(num_blocks=8, seed=14), Caches(num_blocks=8, seed=15)
@@ -112,6 +118,33 @@ def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(mode: str
     first_failed_layer = 2 if mode == "layer" else 1
     assert seen[first_failed_layer] == {1: {0}}
     assert result.failed_blocks == {1: {0}}
+    assert_clean(store, outstanding)
+
+
+def test_a_staged_put_failing_in_one_part_drops_only_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    store = MemoryStore()
+    prefix = unique_prefix()
+    source = Caches(num_blocks=8, seed=16)
+    source.fill()
+    saves = transfers(BLOCKS, prefix=prefix)
+    broken = saves[2]  # group 1, between good keys of the same call
+    store.fail_next("batch_put_whole", [broken.key], Status.TRANSFER_FAILED)
+    reference = transfers(BLOCKS, prefix=unique_prefix())  # same bytes, one part, no fault
+    with engine_for(store, source, "group") as plain:
+        assert save(plain, reference, "group").ok
+    with engine_for(store, source, "staged") as writer:
+        result = save(writer, saves, "staged")
+        outstanding = writer.outstanding("save")
+    assert result.failed_keys == [broken.key]
+    assert store.batch_is_readable([t.key for t in saves]) == [t != broken for t in saves]
+    for transfer, expected in zip(saves, reference, strict=True):
+        if transfer != broken:
+            size = source.layouts[transfer.group].object_size
+            assert read_object(store, transfer.key, size) == read_object(store, expected.key, size)
     assert_clean(store, outstanding)
 
 

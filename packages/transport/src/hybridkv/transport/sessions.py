@@ -324,7 +324,7 @@ class Transfers:
 
         `before` (copy a slice into staging before its call) or `after` (copy it out once
         its call is done; failed rows are dropped first) pipeline the slices on the staging
-        pool's call threads: the copy of one slice runs while another's call moves bytes.
+        pool's put or get thread: the copy of one slice runs while another's call moves bytes.
         """
         parts = self.options.split(call.nbytes, call.pieces)
         if self.pool is None or (before is None and after is None):
@@ -346,7 +346,7 @@ class Transfers:
         try:
             for part in parts:
                 before(part)
-                calls.append(self.pool.calls.submit(_guarded, send, part, operation))
+                calls.append(self.pool.puts.submit(_guarded, send, part, operation))
         finally:
             wait(calls)  # even if a copy failed: a call may still read the slabs
         failed: list[tuple[GroupBatch, int]] = []
@@ -358,7 +358,7 @@ class Transfers:
         self, call: Call, parts: list[slice], operation: str, send: StoreCall, after: PartCopy
     ) -> list[tuple[GroupBatch, int]]:
         assert self.pool is not None
-        calls = [self.pool.calls.submit(_guarded, send, part, operation) for part in parts]
+        calls = [self.pool.gets.submit(_guarded, send, part, operation) for part in parts]
         failed: list[tuple[GroupBatch, int]] = []
         try:
             for part, done in zip(parts, calls, strict=True):

@@ -64,8 +64,9 @@ class StagingPool:
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (start, size), by start
         self.in_use = 0
         self.peak = 0
-        # Two: the send and the receive thread each keep one store call in flight.
-        self.calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-staged")
+        # One call in flight per direction: two concurrent calls of one batch only contend.
+        self.puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-staged-put")
+        self.gets = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-staged-get")
 
     def allocate(self, rows: int, width: int) -> Slab | None:
         """A slab for `rows` objects of `width` bytes, or None if the pool has no such room."""
@@ -114,7 +115,8 @@ class StagingPool:
 
     def close(self) -> None:
         """Unregister and free the buffer (no slab may be in use: the engine has drained)."""
-        self.calls.shutdown(wait=True)
+        self.puts.shutdown(wait=True)
+        self.gets.shutdown(wait=True)
         with self._lock:
             self._closed = True
             array, self._array = self._array, None
