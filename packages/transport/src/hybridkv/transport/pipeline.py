@@ -23,11 +23,12 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How transfers are scheduled; validated on construction (0 = no limit).
 
     `granularity` (the same object layout in every mode, so each reads what another wrote):
-    - "staged" (default; host memory): each layer is copied into a registered staging
-      buffer as it becomes ready, and each object moves as ONE piece once its group is
-      complete; loads fetch whole objects at the step's start and copy each layer out when
-      it is waited for. Best where a store call pays per piece (Mooncake over TCP: ~0.1 ms
-      per piece, 61 pieces for a 61-layer object). `staging_bytes` bounds the buffer
+    - "staged" (default; host memory): each object moves as ONE piece through a
+      registered staging buffer once its group is complete (gathered part by part, each
+      part put while the next is gathered); loads fetch whole objects at the step's start,
+      each part scattered into the caches while the next is fetched. Best where a store
+      call pays per piece (Mooncake over TCP: ~0.1 ms per piece, 61 pieces for a 61-layer
+      object). `staging_bytes` bounds the buffer
       (0 = no staging: every object moves piece by piece, as "group").
     - "layer": each layer's byte ranges move through put/get sessions as the layer becomes
       ready or needed: no copy, finest overlap; best where a piece costs little (RDMA) and
