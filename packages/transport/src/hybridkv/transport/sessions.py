@@ -617,8 +617,18 @@ class Reads(Transfers, ABC):
     the device must not race the load's writes); every call that writes them waits for it.
     """
 
-    layers: list[int]
     ready: Event | None = None
+
+    def __init__(
+        self,
+        store: Store,
+        options: PipelineOptions,
+        batches: dict[int, GroupBatch],
+        outcome: Outcome,
+        pool: StagingPool | None = None,
+    ) -> None:
+        super().__init__(store, options, batches, outcome, pool)
+        self.layers = sorted(self.scheduled_layers())
 
     def read_all(self) -> None:
         """Non-layerwise load: every layer now."""
@@ -633,6 +643,10 @@ class Reads(Transfers, ABC):
         ready = self.ready
         if ready is not None:
             ready.synchronize()
+
+    @abstractmethod
+    def scheduled_layers(self) -> set[int]:
+        """The layers whose `read_layer` moves bytes."""
 
     @abstractmethod
     def start(self) -> None: ...
@@ -653,17 +667,10 @@ class Reads(Transfers, ABC):
 class RangedReads(Reads):
     """Get sessions: pin the objects, read each layer's ranges, release after the last."""
 
-    def __init__(
-        self,
-        store: Store,
-        options: PipelineOptions,
-        batches: dict[int, GroupBatch],
-        outcome: Outcome,
-        pool: StagingPool | None = None,
-    ) -> None:
-        super().__init__(store, options, batches, outcome, pool)
-        self.layers = sorted({layer for b in batches.values() for layer in b.layout.layers})
-        self._pinned: list[str] = []
+    _pinned: Sequence[str] = ()
+
+    def scheduled_layers(self) -> set[int]:
+        return {layer for batch in self.batches.values() for layer in batch.layout.layers}
 
     def start(self) -> None:
         keys = list(dict.fromkeys(key for batch in self.batches.values() for key in batch.keys))
@@ -715,7 +722,7 @@ class RangedReads(Reads):
             log.warning("re-pinning %d keys failed: %s", len(keys), exc)
 
     def end(self) -> None:
-        pinned, self._pinned = self._pinned, []
+        pinned, self._pinned = self._pinned, ()
         if pinned:
             self.store.get_session_end(pinned)
 
@@ -723,16 +730,8 @@ class RangedReads(Reads):
 class WholeReads(Reads):
     """One multi-buffer get per group, issued before the group's first layer is needed."""
 
-    def __init__(
-        self,
-        store: Store,
-        options: PipelineOptions,
-        batches: dict[int, GroupBatch],
-        outcome: Outcome,
-        pool: StagingPool | None = None,
-    ) -> None:
-        super().__init__(store, options, batches, outcome, pool)
-        self.layers = sorted({batch.layout.first_layer for batch in batches.values()})
+    def scheduled_layers(self) -> set[int]:
+        return {batch.layout.first_layer for batch in self.batches.values()}
 
     def start(self) -> None:
         return None
@@ -744,16 +743,15 @@ class WholeReads(Reads):
         call = self.whole_call(batches)
         if call.keys:
             self.caches_writable()
-        self._read(
-            call,
-            "batch_get_whole",
-            lambda part: self.store.batch_get_whole(
-                call.keys[part], call.ptrs[part], call.sizes[part]
-            ),
-        )
+        self._read(call, "batch_get_whole", self._get_whole(call))
 
     def end(self) -> None:
         return None
+
+    def _get_whole(self, call: Call) -> StoreCall:
+        return lambda part: self.store.batch_get_whole(
+            call.keys[part], call.ptrs[part], call.sizes[part]
+        )
 
 
 class StagedWrites(WholeWrites):
@@ -783,22 +781,11 @@ class StagedWrites(WholeWrites):
         )
 
 
-class StagedReads(Reads):
+class StagedReads(WholeReads):
     """Whole objects fetched into staging slabs part by part (one piece per key) at the
     step's start, each part scattered into the caches while the next is fetched; the slabs
     are free again before the first layer is used. Objects without a slab are read straight
     into the caches, piece by piece."""
-
-    def __init__(
-        self,
-        store: Store,
-        options: PipelineOptions,
-        batches: dict[int, GroupBatch],
-        outcome: Outcome,
-        pool: StagingPool | None = None,
-    ) -> None:
-        super().__init__(store, options, batches, outcome, pool)
-        self.layers = sorted({batch.layout.first_layer for batch in batches.values()})
 
     def start(self) -> None:
         self.stage()
@@ -809,9 +796,7 @@ class StagedReads(Reads):
             self._read(
                 call,
                 "batch_get_whole",
-                lambda part: self.store.batch_get_whole(
-                    call.keys[part], call.ptrs[part], call.sizes[part]
-                ),
+                self._get_whole(call),
                 after=lambda part: copy_part(call, part, into_staging=False),
             )
         finally:
