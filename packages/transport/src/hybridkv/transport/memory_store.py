@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
-from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch
+from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch, check_ranges
 
 KeyMatch = Collection[str] | Callable[[str], bool]
 
@@ -208,56 +208,19 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        check_batch(
-            "put_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
-            ("offset lists", offsets),
-        )  # fmt: skip
-        with self._lock:
-            self._check_open()
-            faults = self._injected("put_ranges", keys)
-            results = []
-            for key, key_ptrs, key_sizes, key_offsets in zip(
-                keys, ptrs, sizes, offsets, strict=True
-            ):
-                obj = self._open_puts.get(key)
-                if key in faults:
-                    results.append(faults[key])
-                elif obj is None or not obj.ranges_fit(key_sizes, key_offsets):
-                    results.append(Status.INVALID)
-                else:
-                    _copy_in(obj, key_ptrs, key_sizes, key_offsets)
-                    results.append(Status.OK)
-            return results
+        return self._ranges("put_ranges", self._open_puts, _copy_in, keys, ptrs, sizes, offsets)
 
     def put_session_end(self, keys: Sequence[str]) -> list[Status]:
-        with self._lock:
-            self._check_open()
-            faults = self._injected("put_session_end", keys)
-            results = []
-            for key in keys:
-                if key in faults:
-                    results.append(faults[key])
-                elif key not in self._open_puts:
-                    results.append(Status.INVALID)
-                else:
-                    self._committed[key] = self._open_puts.pop(key)
-                    results.append(Status.OK)
-            return results
+        def commit(key: str) -> None:
+            self._committed[key] = self._open_puts.pop(key)
+
+        return self._each_open_put("put_session_end", keys, commit)
 
     def put_session_revoke(self, keys: Sequence[str]) -> list[Status]:
-        with self._lock:
-            self._check_open()
-            faults = self._injected("put_session_revoke", keys)
-            results = []
-            for key in keys:
-                if key in faults:
-                    results.append(faults[key])
-                elif key not in self._open_puts:
-                    results.append(Status.INVALID)
-                else:
-                    self._used -= self._open_puts.pop(key).size
-                    results.append(Status.OK)
-            return results
+        def revoke(key: str) -> None:
+            self._used -= self._open_puts.pop(key).size
+
+        return self._each_open_put("put_session_revoke", keys, revoke)
 
     def get_session_start(self, keys: Sequence[str]) -> list[Status]:
         with self._lock:
@@ -280,26 +243,7 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        check_batch(
-            "get_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
-            ("offset lists", offsets),
-        )  # fmt: skip
-        with self._lock:
-            self._check_open()
-            faults = self._injected("get_ranges", keys)
-            results = []
-            for key, key_ptrs, key_sizes, key_offsets in zip(
-                keys, ptrs, sizes, offsets, strict=True
-            ):
-                obj = self._get_sessions.get(key)
-                if key in faults:
-                    results.append(faults[key])
-                elif obj is None or not obj.ranges_fit(key_sizes, key_offsets):
-                    results.append(Status.INVALID)
-                else:
-                    _copy_out(obj, key_ptrs, key_sizes, key_offsets)
-                    results.append(Status.OK)
-            return results
+        return self._ranges("get_ranges", self._get_sessions, _copy_out, keys, ptrs, sizes, offsets)
 
     def get_session_end(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -329,6 +273,55 @@ class MemoryStore:
             self._open_puts.clear()
             self._get_sessions.clear()
             self._used = 0
+
+    # -- shared bodies of the session calls (take the lock) ---------------------------
+
+    def _ranges(
+        self,
+        operation: str,
+        sessions: dict[str, _Object],
+        copy: Callable[[_Object, Pointers, Sizes, Offsets], None],
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Offsets],
+    ) -> list[Status]:
+        """Copy byte ranges of objects open in `sessions` (put or get) in or out."""
+        check_ranges(operation, keys, ptrs, sizes, offsets)
+        with self._lock:
+            self._check_open()
+            faults = self._injected(operation, keys)
+            results = []
+            for key, key_ptrs, key_sizes, key_offsets in zip(
+                keys, ptrs, sizes, offsets, strict=True
+            ):
+                obj = sessions.get(key)
+                if key in faults:
+                    results.append(faults[key])
+                elif obj is None or not obj.ranges_fit(key_sizes, key_offsets):
+                    results.append(Status.INVALID)
+                else:
+                    copy(obj, key_ptrs, key_sizes, key_offsets)
+                    results.append(Status.OK)
+            return results
+
+    def _each_open_put(
+        self, operation: str, keys: Sequence[str], settle: Callable[[str], None]
+    ) -> list[Status]:
+        """End the open put session of each key with `settle` (commit or revoke)."""
+        with self._lock:
+            self._check_open()
+            faults = self._injected(operation, keys)
+            results = []
+            for key in keys:
+                if key in faults:
+                    results.append(faults[key])
+                elif key not in self._open_puts:
+                    results.append(Status.INVALID)
+                else:
+                    settle(key)
+                    results.append(Status.OK)
+            return results
 
     # -- internals (called with the lock held) ----------------------------------------
 

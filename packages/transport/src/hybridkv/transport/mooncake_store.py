@@ -32,7 +32,7 @@ from hybridkv.transport.errors import (
     UnsupportedClient,
 )
 from hybridkv.transport.master import is_listening, split_address
-from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch
+from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch, check_ranges
 
 # The range/session API (Mooncake PR #2881) plus the whole-object calls hybridkv uses.
 REQUIRED_METHODS = (
@@ -174,30 +174,18 @@ class MooncakeStore:
     def batch_put_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
     ) -> list[Status]:
-        check_batch("batch_put_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
-        return self._in_parts(
-            sizes,
-            lambda part: self._statuses(
-                keys[part],
-                lambda client: client.batch_put_from_multi_buffers(
-                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part])
-                ),
-            ),
-        )
+        return self._whole(
+            "batch_put_whole", keys, ptrs, sizes,
+            lambda client, *columns: client.batch_put_from_multi_buffers(*columns),
+        )  # fmt: skip
 
     def batch_get_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
     ) -> list[Status]:
-        check_batch("batch_get_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
-        return self._in_parts(
-            sizes,
-            lambda part: self._statuses(
-                keys[part],
-                lambda client: client.batch_get_into_multi_buffers(
-                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part])
-                ),
-            ),
-        )
+        return self._whole(
+            "batch_get_whole", keys, ptrs, sizes,
+            lambda client, *columns: client.batch_get_into_multi_buffers(*columns),
+        )  # fmt: skip
 
     def put_session_start(self, keys: Sequence[str], object_sizes: Sequence[int]) -> list[Status]:
         if len(object_sizes) != len(keys):
@@ -215,20 +203,11 @@ class MooncakeStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        check_batch(
-            "put_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
-            ("offset lists", offsets),
+        # segment traffic only: no master round trip
+        return self._ranges(
+            "put_ranges", keys, ptrs, sizes, offsets,
+            lambda client, *columns: client.batch_put_from_multi_buffer_ranges(*columns),
         )  # fmt: skip
-
-        def send(part: slice) -> list[Status]:
-            with self._call() as client:  # segment traffic only: no master round trip
-                codes = client.batch_put_from_multi_buffer_ranges(
-                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part]),
-                    _lists(offsets[part]),
-                )  # fmt: skip
-            return [Status.from_code(code) for code in codes]
-
-        return self._in_parts(sizes, send)
 
     def put_session_end(self, keys: Sequence[str]) -> list[Status]:
         return self._statuses(keys, lambda client: client.batch_put_session_end(list(keys)))
@@ -246,20 +225,11 @@ class MooncakeStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        check_batch(
-            "get_ranges", keys, ("pointer lists", ptrs), ("size lists", sizes),
-            ("offset lists", offsets),
+        # replicas were cached by get_session_start: no master round trip
+        return self._ranges(
+            "get_ranges", keys, ptrs, sizes, offsets,
+            lambda client, *columns: client.batch_get_into_multi_buffer_ranges(*columns),
         )  # fmt: skip
-
-        def send(part: slice) -> list[Status]:
-            with self._call() as client:  # replicas were cached by get_session_start
-                codes = client.batch_get_into_multi_buffer_ranges(
-                    list(keys[part]), _lists(ptrs[part]), _lists(sizes[part]),
-                    _lists(offsets[part]),
-                )  # fmt: skip
-            return [Status.from_code(code) for code in codes]
-
-        return self._in_parts(sizes, send)
 
     def get_session_end(self, keys: Sequence[str]) -> None:
         with self._call() as client:
@@ -298,6 +268,49 @@ class MooncakeStore:
                 self._in_flight -= 1
                 if not self._in_flight:
                     self._state.notify_all()
+
+    def _whole(
+        self,
+        operation: str,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        transfer: Callable[..., list[int]],
+    ) -> list[Status]:
+        """A multi-buffer call, `transfer(client, keys, ptrs, sizes)`, in parts."""
+        check_batch(operation, keys, ("pointer lists", ptrs), ("size lists", sizes))
+        return self._in_parts(
+            sizes,
+            lambda part: self._statuses(
+                keys[part],
+                lambda client: transfer(
+                    client, list(keys[part]), _lists(ptrs[part]), _lists(sizes[part])
+                ),
+            ),
+        )
+
+    def _ranges(
+        self,
+        operation: str,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Offsets],
+        transfer: Callable[..., list[int]],
+    ) -> list[Status]:
+        """A range call, `transfer(client, keys, ptrs, sizes, offsets)`, in parts; it moves
+        segment bytes only, so it skips the master-down shortcut."""
+        check_ranges(operation, keys, ptrs, sizes, offsets)
+
+        def send(part: slice) -> list[Status]:
+            with self._call() as client:
+                codes = transfer(
+                    client, list(keys[part]), _lists(ptrs[part]), _lists(sizes[part]),
+                    _lists(offsets[part]),
+                )  # fmt: skip
+            return [Status.from_code(code) for code in codes]
+
+        return self._in_parts(sizes, send)
 
     @staticmethod
     def _in_parts(sizes: Sequence[Sizes], send: Callable[[slice], list[Status]]) -> list[Status]:

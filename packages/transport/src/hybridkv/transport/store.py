@@ -106,3 +106,16 @@ def check_batch(
         lengths = {name: len(column[index]) for name, column in columns}
         if len(set(lengths.values())) > 1:
             raise InvalidRequestError(f"{operation}: pieces of {key!r} disagree: {lengths}")
+
+
+def check_ranges(
+    operation: str,
+    keys: Sequence[str],
+    ptrs: Sequence[Pointers],
+    sizes: Sequence[Sizes],
+    offsets: Sequence[Offsets],
+) -> None:
+    """`check_batch` for the range calls: one pointer, size and offset per piece."""
+    check_batch(
+        operation, keys, ("pointer lists", ptrs), ("size lists", sizes), ("offset lists", offsets)
+    )
