@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from hybridkv.transport.errors import Status, StoreUnavailable
-from hybridkv.transport.holder import SegmentHolder
 from hybridkv.transport.master import MasterProcess, free_port, is_listening
 from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.segment_holder import SegmentHolder
 from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
 # A writer process: stores one object whole and one through a ranged session, then exits.
@@ -110,6 +110,17 @@ def test_holder_starts_ready_and_stops_cleanly(
     assert holder.size == 16 << 20
     holder.stop()
     assert not holder.running()
+
+
+def test_holder_command_line_runs_without_warnings() -> None:
+    # The package must not import the CLI module, or `-m` warns that it is already loaded.
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "hybridkv.transport.holder", "--help"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--segment-size" in done.stdout
+    assert done.stderr == ""
 
 
 def test_holder_without_a_master_fails_with_its_log(tmp_path: Path) -> None:

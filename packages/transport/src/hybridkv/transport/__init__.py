@@ -19,13 +19,13 @@ from hybridkv.transport.errors import (
     UnsupportedClient,
 )
 from hybridkv.transport.events import CpuEvent, Event, make_event
-from hybridkv.transport.holder import SegmentHolder
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.ownership import BlockTransfer, OwnedBlock
 from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.segment_holder import SegmentHolder
 from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from hybridkv.transport.errors import StoreUnavailable
 
@@ -155,11 +156,50 @@ class ChildProcess:
             _live.discard(self)
 
 
-class MasterProcess:
+_Service = TypeVar("_Service", bound="ServiceProcess")
+
+
+class ServiceProcess:
+    """A started child handed to callers: its PID and log, `.stop()` (SIGTERM) and
+    `.kill()` (SIGKILL, as a crash would, for fault tests); a context manager that stops it."""
+
+    def __init__(self, child: ChildProcess) -> None:
+        self._child = child
+
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self._child.log_path
+
+    def running(self) -> bool:
+        return self._child.running()
+
+    def kill(self) -> None:
+        self._child.kill()
+
+    def stop(self) -> None:
+        self._child.stop()
+
+    def __enter__(self: _Service) -> _Service:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class MasterProcess(ServiceProcess):
     """A `mooncake_master` listening on loopback; `.address` is what clients connect to."""
 
     def __init__(self, child: ChildProcess, host: str, rpc_port: int, metrics_port: int):
-        self._child = child
+        super().__init__(child)
         self.host = host
         self.rpc_port = rpc_port
         self.metrics_port = metrics_port
@@ -212,32 +252,3 @@ class MasterProcess:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def pid(self) -> int:
-        return self._child.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self._child.log_path
-
-    def running(self) -> bool:
-        return self._child.running()
-
-    def kill(self) -> None:
-        """Crash it (SIGKILL), for fault tests."""
-        self._child.kill()
-
-    def stop(self) -> None:
-        self._child.stop()
-
-    def __enter__(self) -> MasterProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -22,10 +22,10 @@ import pytest
 
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
-from hybridkv.transport.holder import SegmentHolder
 from hybridkv.transport.master import LOOPBACK, MasterProcess
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore, load_client_class
+from hybridkv.transport.segment_holder import SegmentHolder
 from hybridkv.transport.store import Store
 
 REQUIRE_REAL_ENV = "HYBRIDKV_REQUIRE_REAL"
