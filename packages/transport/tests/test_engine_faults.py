@@ -11,7 +11,7 @@ from _engine_drive import LayerCheck, engine_for, read_object, save, unique_pref
 from _engine_model import NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingOpenStore, fail_at_call
 
-from hybridkv.transport import sessions
+from hybridkv.transport import BlockTransfer, sessions
 from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
@@ -28,11 +28,16 @@ def assert_clean(store: MemoryStore, engine_outstanding: int) -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
 
 
+def filled_caches_and_saves(seed: int) -> tuple[Caches, list[BlockTransfer]]:
+    """Caches of random bytes and a save of every block of BLOCKS under fresh keys."""
+    caches = Caches(num_blocks=8, seed=seed)
+    caches.fill()
+    return caches, transfers(BLOCKS, prefix=unique_prefix())
+
+
 def test_a_range_put_failing_mid_way_revokes_only_its_keys() -> None:
     store = MemoryStore()
-    caches = Caches(num_blocks=8, seed=11)
-    caches.fill()
-    saves = transfers(BLOCKS, prefix=unique_prefix())
+    caches, saves = filled_caches_and_saves(seed=11)
     broken = saves[1]  # group 0, logical block 1, local block 1
     # Calls go layer by layer (0, 1, 2, 3): group 0's layer 0 lands, its layer 2 fails.
     fail_at_call(store, "put_ranges", 3, [broken.key], Status.TRANSFER_FAILED)
@@ -54,9 +59,7 @@ def test_a_range_put_failing_mid_way_revokes_only_its_keys() -> None:
 
 def test_a_failed_commit_is_revoked_and_other_groups_still_commit() -> None:
     store = MemoryStore()
-    caches = Caches(num_blocks=8, seed=12)
-    caches.fill()
-    saves = transfers(BLOCKS, prefix=unique_prefix())
+    caches, saves = filled_caches_and_saves(seed=12)
     store.fail_next("put_session_end", [saves[2].key], Status.RPC_FAILED)  # group 1 block 0
     with engine_for(store, caches, "layer") as engine:
         result = save(engine, saves, "layer")
@@ -68,9 +71,7 @@ def test_a_failed_commit_is_revoked_and_other_groups_still_commit() -> None:
 
 def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
     store = FailingOpenStore()
-    caches = Caches(num_blocks=8, seed=13)
-    caches.fill()
-    saves = transfers(BLOCKS, prefix=unique_prefix())
+    caches, saves = filled_caches_and_saves(seed=13)
     with engine_for(store, caches, "layer") as engine:
         step = engine.begin_layerwise(saves=saves)
         for layer in range(NUM_LAYERS):
@@ -149,11 +150,9 @@ def test_a_staged_put_failing_in_one_part_drops_only_its_key(
 
 
 def test_a_full_store_fails_the_keys_that_do_not_fit_and_commits_the_rest() -> None:
-    caches = Caches(num_blocks=8, seed=16)
-    caches.fill()
+    caches, saves = filled_caches_and_saves(seed=16)
     sizes = {layout.group_id: layout.object_size for layout in caches.layouts}
     store = MemoryStore(capacity=2 * sizes[0] + sizes[1])
-    saves = transfers(BLOCKS, prefix=unique_prefix())
     with engine_for(store, caches, "layer") as engine:
         result = save(engine, saves, "layer")
         outstanding = engine.outstanding("save")
