@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared 
 import tinymodels
 from vllm_instance import InstanceResult, InstanceSpec, PromptResult, Step, run_instance
 
-from hybridkv.integration.config import parse_extra_config
 from hybridkv.transport import MasterProcess, SegmentHolder
 
 BLOCK = 32
@@ -52,15 +51,6 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
-
-
-def _smallest_backlog() -> int:
-    """0 if the connector accepts it (the transport does), else 1."""
-    try:
-        parse_extra_config({"_layerwise_backlog": 0})
-    except ValueError:
-        return 1
-    return 0
 
 
 def _median(values: list[float]) -> float:
@@ -165,8 +155,7 @@ def main() -> int:
                 flush=True,
             )
 
-            smallest = _smallest_backlog()
-            settings = [(p, BACKLOG_DEFAULT) for p in PREFETCH] + [(2, smallest)]
+            settings = [(p, BACKLOG_DEFAULT) for p in PREFETCH] + [(2, 0)]
             rows = []
             for seed, (prefetch, backlog) in enumerate(settings, start=300):
                 connector = {
@@ -189,8 +178,6 @@ def main() -> int:
                         f"{warm_layerwise / warm_whole:5.2f}x",
                         flush=True,
                     )
-        if smallest:
-            print(f"  (the connector refuses _layerwise_backlog 0: smallest run is {smallest})")
         print(
             "\n  exposed transfer tail, layerwise (ms of forward blocked on transfers, medians)"
             "\n  prefetch backlog | storing: TTFT  backlog_wait finish_wait      tail | "
