@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
-from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch, check_ranges
+from hybridkv.transport.store import Offsets, Pointers, Sizes, check_ranges, check_whole
 
 KeyMatch = Collection[str] | Callable[[str], bool]
 
@@ -143,63 +143,52 @@ class MemoryStore:
     def batch_put_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
     ) -> list[Status]:
-        check_batch("batch_put_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
-        with self._lock:
-            self._check_open()
-            faults = self._injected("batch_put_whole", keys)
-            results = []
-            for key, key_ptrs, key_sizes in zip(keys, ptrs, sizes, strict=True):
-                if key in faults:
-                    results.append(faults[key])
-                elif key in self._committed or key in self._open_puts:
-                    results.append(Status.OK)  # Mooncake keeps the old bytes and says OK
-                else:
-                    results.append(self._put_whole(key, key_ptrs, key_sizes))
-            return results
+        check_whole("batch_put_whole", keys, ptrs, sizes)
+
+        def put(index: int, key: str) -> Status:
+            if key in self._committed or key in self._open_puts:
+                return Status.OK  # Mooncake keeps the old bytes and says OK
+            return self._put_whole(key, ptrs[index], sizes[index])
+
+        return self._each_key("batch_put_whole", keys, put)
 
     def batch_get_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
     ) -> list[Status]:
-        check_batch("batch_get_whole", keys, ("pointer lists", ptrs), ("size lists", sizes))
-        with self._lock:
-            self._check_open()
-            faults = self._injected("batch_get_whole", keys)
-            results = []
-            for key, key_ptrs, key_sizes in zip(keys, ptrs, sizes, strict=True):
-                status = faults.get(key) or self._readable(key)
-                if status.ok:
-                    obj = self._committed[key]
-                    if sum(key_sizes) != obj.size:
-                        status = Status.INVALID
-                    else:
-                        _copy_out(obj, key_ptrs, key_sizes, _offsets_of(key_sizes))
-                        obj.lease_until = time.monotonic() + self._lease_ttl_s
-                results.append(status)
-            return results
+        check_whole("batch_get_whole", keys, ptrs, sizes)
+
+        def get(index: int, key: str) -> Status:
+            status = self._readable(key)
+            if status.ok:
+                obj = self._committed[key]
+                if sum(sizes[index]) != obj.size:
+                    return Status.INVALID
+                _copy_out(obj, ptrs[index], sizes[index], _offsets_of(sizes[index]))
+                obj.lease_until = time.monotonic() + self._lease_ttl_s
+            return status
+
+        return self._each_key("batch_get_whole", keys, get)
 
     def put_session_start(self, keys: Sequence[str], object_sizes: Sequence[int]) -> list[Status]:
         if len(object_sizes) != len(keys):
             raise InvalidRequestError(
                 f"put_session_start: {len(keys)} keys but {len(object_sizes)} sizes"
             )
-        with self._lock:
-            self._check_open()
-            faults = self._injected("put_session_start", keys)
-            results, started = [], set()
-            for key, size in zip(keys, object_sizes, strict=True):
-                if key in faults:
-                    results.append(faults[key])
-                elif key in self._committed or key in started:
-                    results.append(Status.EXISTS)  # a repeat within one call, too
-                elif key in self._open_puts or size <= 0:
-                    results.append(Status.INVALID)
-                elif not self._reserve(size):
-                    results.append(Status.NO_SPACE)
-                else:
-                    self._open_puts[key] = _Object(size)
-                    started.add(key)
-                    results.append(Status.OK)
-            return results
+        started: set[str] = set()
+
+        def start(index: int, key: str) -> Status:
+            size = object_sizes[index]
+            if key in self._committed or key in started:
+                return Status.EXISTS  # a repeat within one call, too
+            if key in self._open_puts or size <= 0:
+                return Status.INVALID
+            if not self._reserve(size):
+                return Status.NO_SPACE
+            self._open_puts[key] = _Object(size)
+            started.add(key)
+            return Status.OK
+
+        return self._each_key("put_session_start", keys, start)
 
     def put_ranges(
         self,
@@ -223,18 +212,15 @@ class MemoryStore:
         return self._each_open_put("put_session_revoke", keys, revoke)
 
     def get_session_start(self, keys: Sequence[str]) -> list[Status]:
-        with self._lock:
-            self._check_open()
-            faults = self._injected("get_session_start", keys)
-            results = []
-            for key in keys:
-                status = faults.get(key) or self._readable(key)
-                if status.ok:
-                    obj = self._committed[key]
-                    obj.lease_until = time.monotonic() + self._lease_ttl_s
-                    self._get_sessions[key] = obj
-                results.append(status)
-            return results
+        def pin(index: int, key: str) -> Status:
+            status = self._readable(key)
+            if status.ok:
+                obj = self._committed[key]
+                obj.lease_until = time.monotonic() + self._lease_ttl_s
+                self._get_sessions[key] = obj
+            return status
+
+        return self._each_key("get_session_start", keys, pin)
 
     def get_ranges(
         self,
@@ -252,19 +238,16 @@ class MemoryStore:
                 self._get_sessions.pop(key, None)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
-        with self._lock:
-            self._check_open()
-            faults = self._injected("batch_remove", keys)
-            now = time.monotonic()
-            results = []
-            for key in keys:
-                status = faults.get(key) or self._readable(key)
-                if status.ok and not force and self._committed[key].lease_until > now:
-                    status = Status.LEASED
-                if status.ok:
-                    self._used -= self._committed.pop(key).size
-                results.append(status)
-            return results
+        def remove(index: int, key: str) -> Status:
+            status = self._readable(key)
+            leased = status.ok and self._committed[key].lease_until > time.monotonic()
+            if leased and not force:
+                return Status.LEASED
+            if status.ok:
+                self._used -= self._committed.pop(key).size
+            return status
+
+        return self._each_key("batch_remove", keys, remove)
 
     def close(self) -> None:
         with self._lock:
@@ -274,7 +257,19 @@ class MemoryStore:
             self._get_sessions.clear()
             self._used = 0
 
-    # -- shared bodies of the session calls (take the lock) ---------------------------
+    # -- the shared body of the batch calls --------------------------------------------
+
+    def _each_key(
+        self, operation: str, keys: Sequence[str], answer: Callable[[int, str], Status]
+    ) -> list[Status]:
+        """Under the lock: an injected fault for a key, else `answer(index, key)`."""
+        with self._lock:
+            self._check_open()
+            faults = self._injected(operation, keys)
+            return [
+                faults[key] if key in faults else answer(index, key)
+                for index, key in enumerate(keys)
+            ]
 
     def _ranges(
         self,
@@ -288,40 +283,28 @@ class MemoryStore:
     ) -> list[Status]:
         """Copy byte ranges of objects open in `sessions` (put or get) in or out."""
         check_ranges(operation, keys, ptrs, sizes, offsets)
-        with self._lock:
-            self._check_open()
-            faults = self._injected(operation, keys)
-            results = []
-            for key, key_ptrs, key_sizes, key_offsets in zip(
-                keys, ptrs, sizes, offsets, strict=True
-            ):
-                obj = sessions.get(key)
-                if key in faults:
-                    results.append(faults[key])
-                elif obj is None or not obj.ranges_fit(key_sizes, key_offsets):
-                    results.append(Status.INVALID)
-                else:
-                    copy(obj, key_ptrs, key_sizes, key_offsets)
-                    results.append(Status.OK)
-            return results
+
+        def move(index: int, key: str) -> Status:
+            obj = sessions.get(key)
+            if obj is None or not obj.ranges_fit(sizes[index], offsets[index]):
+                return Status.INVALID
+            copy(obj, ptrs[index], sizes[index], offsets[index])
+            return Status.OK
+
+        return self._each_key(operation, keys, move)
 
     def _each_open_put(
         self, operation: str, keys: Sequence[str], settle: Callable[[str], None]
     ) -> list[Status]:
         """End the open put session of each key with `settle` (commit or revoke)."""
-        with self._lock:
-            self._check_open()
-            faults = self._injected(operation, keys)
-            results = []
-            for key in keys:
-                if key in faults:
-                    results.append(faults[key])
-                elif key not in self._open_puts:
-                    results.append(Status.INVALID)
-                else:
-                    settle(key)
-                    results.append(Status.OK)
-            return results
+
+        def end(index: int, key: str) -> Status:
+            if key not in self._open_puts:
+                return Status.INVALID
+            settle(key)
+            return Status.OK
+
+        return self._each_key(operation, keys, end)
 
     # -- internals (called with the lock held) ----------------------------------------
 

@@ -32,7 +32,7 @@ from hybridkv.transport.errors import (
     UnsupportedClient,
 )
 from hybridkv.transport.master import is_listening, split_address
-from hybridkv.transport.store import Offsets, Pointers, Sizes, check_batch, check_ranges
+from hybridkv.transport.store import Offsets, Pointers, Sizes, check_ranges, check_whole
 
 # The range/session API (Mooncake PR #2881) plus the whole-object calls hybridkv uses.
 REQUIRED_METHODS = (
@@ -278,7 +278,7 @@ class MooncakeStore:
         transfer: Callable[..., list[int]],
     ) -> list[Status]:
         """A multi-buffer call, `transfer(client, keys, ptrs, sizes)`, in parts."""
-        check_batch(operation, keys, ("pointer lists", ptrs), ("size lists", sizes))
+        check_whole(operation, keys, ptrs, sizes)
         return self._in_parts(
             sizes,
             lambda part: self._statuses(

@@ -108,6 +108,13 @@ def check_batch(
             raise InvalidRequestError(f"{operation}: pieces of {key!r} disagree: {lengths}")
 
 
+def check_whole(
+    operation: str, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+) -> None:
+    """`check_batch` for the whole-object calls: one pointer and size per piece."""
+    check_batch(operation, keys, ("pointer lists", ptrs), ("size lists", sizes))
+
+
 def check_ranges(
     operation: str,
     keys: Sequence[str],
