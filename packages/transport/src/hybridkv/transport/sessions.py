@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
+from functools import cached_property
 
 import msgspec
 import numpy as np
@@ -619,16 +620,9 @@ class Reads(Transfers, ABC):
 
     ready: Event | None = None
 
-    def __init__(
-        self,
-        store: Store,
-        options: PipelineOptions,
-        batches: dict[int, GroupBatch],
-        outcome: Outcome,
-        pool: StagingPool | None = None,
-    ) -> None:
-        super().__init__(store, options, batches, outcome, pool)
-        self.layers = sorted(self.scheduled_layers())
+    @cached_property
+    def layers(self) -> list[int]:
+        return sorted(self.scheduled_layers())
 
     def read_all(self) -> None:
         """Non-layerwise load: every layer now."""
