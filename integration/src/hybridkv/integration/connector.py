@@ -107,6 +107,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._events_on = events is not None and events.enable_kv_cache_events
         self._announcer: PoolAnnouncer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "kv_load_failure_policy is %r: a request whose pool load fails will end "
+                    "with an error; set it to 'recompute' to have vLLM recompute those blocks",
+                    transfer.kv_load_failure_policy,
+                )
             builder = self._event_builder(kv_cache_config) if self._events_on else None
             if self._events_on:
                 storing = {g.vllm_group_id: g.heads.storing for g in self.plan.groups}

@@ -108,6 +108,11 @@ class MemoryStore:
         with self._lock:
             self._faults.append(_Fault(operation, keys, status, calls))
 
+    def clear_faults(self) -> None:
+        """Drop every fault `fail_next` queued that has not fired yet."""
+        with self._lock:
+            self._faults.clear()
+
     @property
     def used_bytes(self) -> int:
         """Bytes held by committed and open objects."""
