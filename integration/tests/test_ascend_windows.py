@@ -26,7 +26,7 @@ from hybridkv.integration.ascend import (
     require_eager,
 )
 from hybridkv.integration.layerwise import VllmLayerwise, plan_vllm_layers
-from hybridkv.transport import CpuEvent, Event, LayerwiseStep, make_event
+from hybridkv.transport import CpuEvent, Event, LayerwiseStep, MemoryStore, make_event
 
 # vLLM (and through it transformers) probes for torch_npu on import; import the layer
 # classes the plan uses before a test puts the fake torch_npu into sys.modules.
@@ -74,12 +74,15 @@ def npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNpuDevice]:
 class AscendModel:
     """Three attention layers through vllm-ascend's FA, SFA and DSA impls (the fakes)."""
 
-    def __init__(self, new_event: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self, new_event: Any, monkeypatch: pytest.MonkeyPatch, store: MemoryStore | None = None
+    ) -> None:
         from vllm_ascend.attention.attention_v1 import AscendAttentionBackendImpl
         from vllm_ascend.attention.dsa_v1 import AscendDSAImpl
         from vllm_ascend.attention.sfa_v1 import AscendSFAImpl
 
         self.rig = Rig(
+            store=store,
             groups={0: (16, (0, 1, 2))},
             reporters={n: i for i, n in enumerate(NAMES)},
             new_event=new_event,
@@ -168,15 +171,30 @@ def test_puts_wait_for_the_npu_event_while_the_host_runs_ahead(
     assert model.stored_layers() == [40, 41, 42]
 
 
+class CountingStore(MemoryStore):
+    """Counts ranged puts that completed, to know when ungated puts have read the caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ranged_puts = 0
+
+    def put_ranges(self, keys, ptrs, sizes, offsets):  # type: ignore[no-untyped-def]
+        statuses = super().put_ranges(keys, ptrs, sizes, offsets)
+        self.ranged_puts += 1
+        return statuses
+
+
 def test_negative_control_an_ungated_event_saves_stale_bytes(
     npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = AscendModel(CpuEvent, monkeypatch)
+    store = CountingStore()
+    model = AscendModel(CpuEvent, monkeypatch, store)
     try:
         model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
         with npu.held():
             model.forward(fill=40)
-            assert wait_until(lambda: model.rig.engine.backlog.outstanding == 0)
+            # every layer's ranges reached the store while no kernel had run
+            assert wait_until(lambda: store.ranged_puts == len(NAMES))
         model.layerwise.end_step()
         assert model.stored_layers() == [0, 0, 0]  # read before the kernels wrote
     finally:
