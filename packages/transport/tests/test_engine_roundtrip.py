@@ -139,3 +139,23 @@ def test_many_layer_whole_objects_fit_mooncakes_per_call_piece_limit(
     finally:
         writer_store.close()
     assert np.array_equal(target, memory)
+
+
+def test_two_engines_over_one_cache_share_its_registration(
+    mooncake_master: MasterProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both register the caches without a refusal; closing both frees the memory again."""
+    caches = Caches(num_blocks=8, seed=5)
+    store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
+    try:
+        with caplog.at_level("WARNING", logger="hybridkv.transport"):
+            first = TransferEngine(store, caches.layouts, PipelineOptions(granularity="layer"))
+            second = TransferEngine(store, caches.layouts, PipelineOptions(granularity="layer"))
+            first.close()
+            second.close()
+        assert not [record for record in caplog.records if "register" in record.message]
+        array = caches.arrays[(0, 0, "k")]
+        store.register_buffer(array.ctypes.data, array.nbytes)  # refused if still registered
+        store.unregister_buffer(array.ctypes.data)
+    finally:
+        store.close()

@@ -12,7 +12,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from hybridkv.transport.errors import StoreClosed, StoreUnavailable, UnsupportedClient
+from hybridkv.transport.errors import (
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+    UnsupportedClient,
+)
 from hybridkv.transport.master import MasterProcess, free_port
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.testing import mooncake_config, require_mooncake
@@ -80,6 +85,30 @@ def test_missing_mooncake_is_a_clear_error(
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(UnsupportedClient, match=r"install hybridkv-transport\[mooncake\]"):
         MooncakeStore.connect(mooncake_config(f"127.0.0.1:{silent_listener}"))
+
+
+def test_registering_the_same_memory_twice_is_counted_not_refused(
+    mooncake_master: MasterProcess,
+) -> None:
+    """Two engines over one cache each register it; Mooncake alone would answer -600."""
+    store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
+    memory = np.zeros(1 << 20, dtype=np.uint8)
+    ptr = memory.ctypes.data
+    try:
+        store.register_buffer(ptr, memory.nbytes)
+        store.register_buffer(ptr, memory.nbytes)  # counted
+        store.register_buffer(ptr, 4096)  # inside the first: counted
+        store.unregister_buffer(ptr)
+        store.unregister_buffer(ptr)
+        with pytest.raises(StoreError, match="register_buffer"):  # still registered
+            store.register_buffer(ptr, memory.nbytes + 4096)
+        store.unregister_buffer(ptr)  # the last registration leaves Mooncake
+        with pytest.raises(StoreError, match="unregister_buffer"):
+            store.unregister_buffer(ptr)
+        store.register_buffer(ptr, memory.nbytes)  # free again
+        store.unregister_buffer(ptr)
+    finally:
+        store.close()
 
 
 def test_close_while_other_threads_call_never_crashes(mooncake_master: MasterProcess) -> None:

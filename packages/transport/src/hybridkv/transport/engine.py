@@ -113,6 +113,7 @@ class TransferEngine:
             if layout.group_id in self.layouts:
                 raise ValueError(f"group {layout.group_id} has two layouts")
             self.layouts[layout.group_id] = layout
+        self._registered: list[int] = []
         self._register_buffers()
         self.backlog = Backlog(self.options.backlog)
         self._ownership = Ownership()
@@ -228,6 +229,7 @@ class TransferEngine:
         self._receiver.close()
         if self.staging is not None:
             self.staging.close()
+        self._unregister_buffers()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -240,8 +242,8 @@ class TransferEngine:
     def _register_buffers(self) -> None:
         """Register each distinct memory region once (overlapping regions merged).
 
-        Registration only speeds transfers up (zero-copy); a region the store refuses,
-        e.g. one another engine on the same client registered already, is logged.
+        Registration only speeds transfers up (zero-copy); a region the store refuses is
+        logged. `close` releases what was registered.
         """
         regions = sorted(
             region
@@ -261,6 +263,16 @@ class TransferEngine:
                 self.store.register_buffer(start, size)
             except StoreError as exc:
                 log.warning("KV cache region %#x+%d not registered: %s", start, size, exc)
+            else:
+                self._registered.append(start)
+
+    def _unregister_buffers(self) -> None:
+        for start in self._registered:
+            try:
+                self.store.unregister_buffer(start)
+            except StoreError as exc:
+                log.warning("KV cache region %#x not unregistered: %s", start, exc)
+        self._registered = []
 
     def _check(self, transfers: Sequence[BlockTransfer]) -> None:
         if self._closed:

@@ -112,6 +112,8 @@ class MooncakeStore:
         self._in_flight = 0
         self._master_down_since: float | None = None
         self._master_checked_at = 0.0
+        self._registering = threading.Lock()
+        self._registered: dict[int, list[int]] = {}  # address -> [size, registrations]
 
     @classmethod
     def connect(cls, config: MooncakeConfig) -> MooncakeStore:
@@ -156,16 +158,31 @@ class MooncakeStore:
     # -- Store protocol ---------------------------------------------------------------
 
     def register_buffer(self, ptr: int, size: int) -> None:
-        with self._call() as client:
-            code = client.register_buffer(ptr, size)
-        if code != 0:
-            raise StoreError(f"register_buffer({ptr:#x}, {size}) failed with code {code}")
+        """Register once per region: Mooncake refuses a region it already has (-600), but
+        two engines over the same caches each register them, so repeats are counted."""
+        with self._registering:
+            held = self._registered.get(ptr)
+            if held is not None and size <= held[0]:
+                held[1] += 1
+                return
+            with self._call() as client:
+                code = client.register_buffer(ptr, size)
+            if code != 0:
+                raise StoreError(f"register_buffer({ptr:#x}, {size}) failed with code {code}")
+            self._registered[ptr] = [size, 1]
 
     def unregister_buffer(self, ptr: int) -> None:
-        with self._call() as client:
-            code = client.unregister_buffer(ptr)
-        if code != 0:
-            raise StoreError(f"unregister_buffer({ptr:#x}) failed with code {code}")
+        """Release one registration; the region leaves Mooncake with its last one."""
+        with self._registering:
+            held = self._registered.get(ptr)
+            if held is not None and held[1] > 1:
+                held[1] -= 1
+                return
+            with self._call() as client:
+                code = client.unregister_buffer(ptr)
+            if code != 0:
+                raise StoreError(f"unregister_buffer({ptr:#x}) failed with code {code}")
+            self._registered.pop(ptr, None)
 
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
         codes = self._master_call(keys, lambda client: client.batch_is_exist(list(keys)), failed=-1)
