@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,8 +32,6 @@ from hybridkv.transport.store import Store
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 64
-# How much lower than the caller the threads that make store calls run (see yield_cpu).
-STORE_CALL_NICENESS = 10
 Bytes = npt.NDArray[np.uint8]
 
 
@@ -69,12 +65,8 @@ class StagingPool:
         self.in_use = 0
         self.peak = 0
         # One call in flight per direction: two concurrent calls of one batch only contend.
-        self.puts = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="hybridkv-staged-put", initializer=yield_cpu
-        )
-        self.gets = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="hybridkv-staged-get", initializer=yield_cpu
-        )
+        self.puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-staged-put")
+        self.gets = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-staged-get")
 
     def allocate(self, rows: int, width: int) -> Slab | None:
         """A slab for `rows` objects of `width` bytes, or None if the pool has no such room."""
@@ -134,24 +126,6 @@ class StagingPool:
                     self._store.unregister_buffer(int(array.ctypes.data))
                 except StoreError as exc:
                     log.warning("staging buffer not unregistered: %s", exc)
-
-
-def yield_cpu() -> None:
-    """Lower the calling thread's priority (Linux, where nice is per thread).
-
-    Mooncake's wheels (0.3.13, built without event-driven completion) wait for a transfer
-    by spinning on the calling thread. Store calls run on these pool threads so that, at a
-    lower priority, the spin gives its core to the staging copy of the next part instead of
-    competing with it; the transfer itself runs on Mooncake's own threads, untouched.
-    """
-    if sys.platform != "linux":
-        return  # elsewhere setpriority would renice the whole process
-    thread = threading.get_native_id()
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + STORE_CALL_NICENESS))
-    except OSError as exc:
-        log.debug("store call thread keeps its priority: %s", exc)
 
 
 def host_view(entry: CacheEntry, blocks: BlockIds) -> Bytes:
