@@ -5,16 +5,23 @@ and mode, the objects stored and the blocks loaded must equal the token-free ora
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+import threading
+from typing import Any
 
+import pytest
 from _engine_drive import load, read_object, save, unique_prefix
 from _engine_model import Caches, transfers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.transport.engine import TransferEngine
+from hybridkv.transport.errors import Status
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.staging import STORE_CALL_NICENESS
 
 NUM_BLOCKS = 48
 
@@ -78,3 +85,41 @@ def test_staged_copies_match_the_oracle_for_any_block_ids(
             assert target.block_bytes(group, target_block) == source.block_bytes(
                 group, source_block
             )
+
+
+class PriorityRecordingStore(MemoryStore):
+    """Notes the niceness of the thread making each whole-object call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.niceness: list[int] = []
+
+    def _note(self) -> None:
+        self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    def batch_put_whole(self, *args: Any) -> list[Status]:
+        self._note()
+        return super().batch_put_whole(*args)
+
+    def batch_get_whole(self, *args: Any) -> list[Status]:
+        self._note()
+        return super().batch_get_whole(*args)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("mode", ["whole", "staged"])
+def test_staged_store_calls_run_below_the_callers_priority(mode: str) -> None:
+    """Mooncake's calls spin while they wait: they must not outrank the staging copies."""
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    store = PriorityRecordingStore()
+    source, target = Caches(8, seed=1), Caches(8)
+    source.fill()
+    options = PipelineOptions(granularity="staged")
+    saves = transfers({0: [0, 1], 1: [2], 2: [3]}, prefix=unique_prefix())
+    with TransferEngine(store, source.layouts, options) as engine:
+        assert save(engine, saves, mode).ok
+    with TransferEngine(store, target.layouts, options) as engine:
+        assert load(engine, saves, mode).ok
+    assert len(store.niceness) >= 2
+    assert all(nice == min(19, caller + STORE_CALL_NICENESS) for nice in store.niceness)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller

@@ -355,25 +355,31 @@ class Transfers:
         pool's put or get thread: the copy of one slice runs while another's call moves bytes.
         """
         parts = self.options.split(call.nbytes, call.pieces)
-        if self.pool is None or (before is None and after is None):
+        if self.pool is None:
             failed: list[tuple[GroupBatch, int]] = []
             for part in parts:
                 failed += self._settle(call, part, operation, _guarded(send, part, operation))
             return failed
-        parts = finer(parts, call.nbytes)
+        if after is not None:
+            return self._get_pipelined(call, finer(parts, call.nbytes), operation, send, after)
         if before is not None:
-            return self._put_pipelined(call, parts, operation, send, before)
-        assert after is not None
-        return self._get_pipelined(call, parts, operation, send, after)
+            parts = finer(parts, call.nbytes)
+        return self._put_pipelined(call, parts, operation, send, before)
 
     def _put_pipelined(
-        self, call: Call, parts: list[slice], operation: str, send: StoreCall, before: PartCopy
+        self,
+        call: Call,
+        parts: list[slice],
+        operation: str,
+        send: StoreCall,
+        before: PartCopy | None,
     ) -> list[tuple[GroupBatch, int]]:
         assert self.pool is not None
         calls: list[Future[list[Status]]] = []
         try:
             for part in parts:
-                before(part)
+                if before is not None:
+                    before(part)
                 calls.append(self.pool.puts.submit(_guarded, send, part, operation))
         finally:
             wait(calls)  # even if a copy failed: a call may still read the slabs
