@@ -13,9 +13,10 @@ the median of `--repeats` passes after a warm-up pass, raw and transport passes 
 (the same store, the same bytes; the modes rotate) so that drifts of a shared machine hit
 all alike. The holder's memory is written once before measuring, as in a long-lived pool.
 "put after last layer" is what a layerwise save leaves once its last layer was handed over
-(the part a forward pass cannot hide). The printed bound is raw put (get) plus one numpy
-copy of the same bytes between per-layer tensors and per-block objects: the least any
-host-side layout work adds where copy and transfer share the same cores.
+(the part a forward pass cannot hide). The serial reference is raw put (get) plus one numpy
+copy of the same bytes between per-layer tensors and per-block objects: what host-side
+layout work costs when nothing overlaps it (on 2 cores shared by client and holder, the
+loopback transfer leaves little room to overlap it).
 
 Starts its own master and segment holder on loopback; needs mooncake installed. Run:
 `python benchmarks/bench_transport.py [--blocks N] [--repeats R]`.
@@ -383,9 +384,9 @@ def main() -> int:
         print(ratio_line(f"{label}: get", raw_get, get_s, total))
         print(ratio_line(f"{label}: put+get", raw_put + raw_get, put_s + get_s, 2 * total))
     print(
-        f"bound for any host-side layout on this machine: raw put + one numpy gather of the "
-        f"same bytes ({gather * 1e3:.0f} ms) = ratio {raw_put / (raw_put + gather):.2f}; "
-        f"get {raw_get / (raw_get + gather):.2f}"
+        f"serial reference: raw + one numpy copy of the same bytes between per-layer tensors "
+        f"and per-block objects ({gather * 1e3:.0f} ms) = ratio put "
+        f"{raw_put / (raw_put + gather):.2f}, get {raw_get / (raw_get + gather):.2f}"
     )
     print("cross process (a second process reads what this one wrote):")
     for label, mode in MODES.items():
