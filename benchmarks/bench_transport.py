@@ -11,7 +11,8 @@ best Mooncake can do, no layout work at all). Same process, then a second proces
 what the first wrote (objects in a segment holder). Ratio = raw time / transport time, each
 the median of `--repeats` passes after a warm-up pass, raw and transport passes alternating
 (the same store, the same bytes; the modes rotate) so that drifts of a shared machine hit
-all alike. The holder's memory is written once before measuring, as in a long-lived pool.
+all alike. The holder maps its whole segment at start (its default), so no pass pays the
+first touch of holder pages (a put into them takes about twice as long).
 "put after last layer" is what a layerwise save leaves once its last layer was handed over
 (the part a forward pass cannot hide). The serial reference is raw put (get) plus one numpy
 copy of the same bytes between per-layer tensors and per-block objects: what host-side
@@ -130,25 +131,6 @@ def raw_client(master: str) -> Any:
     if code != 0:
         raise RuntimeError(f"raw Mooncake client setup failed with {code}")
     return client
-
-
-def map_holder_memory(client: Any, nbytes: int) -> None:
-    """Fill the holder once and empty it again, so that no pass pays its first touch.
-
-    A segment's pages are mapped when first written: a put into never-used holder memory
-    takes about twice as long as one into memory used before. A long-lived pool is past
-    that point; without this, whichever side of the comparison lands on fresh pages loses.
-    """
-    chunk = np.zeros(16 << 20, dtype=np.uint8)
-    client.register_buffer(chunk.ctypes.data, chunk.nbytes)
-    keys: list[str] = []
-    while len(keys) * chunk.nbytes < nbytes:  # stop at the size: a full pool evicts, not fails
-        key = f"map-holder-{len(keys)}"
-        if client.batch_put_from([key], [chunk.ctypes.data], [chunk.nbytes])[0] < 0:
-            break
-        keys.append(key)
-    client.batch_remove(keys, True)
-    client.unregister_buffer(chunk.ctypes.data)
 
 
 def raw_args(
@@ -295,7 +277,6 @@ def main() -> int:
     holder_bytes = 4 * total + (256 << 20)
     with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
         client = raw_client(master.address)
-        map_holder_memory(client, holder_bytes)
         store = connect(master.address)
         flat = source.objects()
         back = np.zeros_like(flat)

@@ -112,6 +112,29 @@ def test_holder_starts_ready_and_stops_cleanly(
     assert not holder.running()
 
 
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+def test_a_holder_maps_its_whole_segment_at_start_unless_told_not_to(
+    mooncake_master: MasterProcess, start_segment_holder: StartHolder
+) -> None:
+    """Pages mapped up front: first puts are not slowed, a host that cannot back the
+    segment fails at start instead of losing every object to the OOM killer later."""
+    size = 512 << 20
+    populated = start_segment_holder(mooncake_master.address, size)
+    lazy = start_segment_holder(mooncake_master.address, size, populate=False)
+    assert resident_bytes(populated.pid) >= size
+    assert resident_bytes(lazy.pid) < size // 2
+    lines = populated.log_path.read_text().splitlines()
+    assert any(line.startswith("populated ") and int(line.split()[1]) >= size for line in lines)
+
+
 def test_holder_command_line_runs_without_warnings() -> None:
     # The package must not import the CLI module, or `-m` warns that it is already loaded.
     done = subprocess.run(

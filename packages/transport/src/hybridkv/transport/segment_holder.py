@@ -30,13 +30,17 @@ class SegmentHolder(ServiceProcess):
         hostname: str = LOOPBACK,
         log_path: Path | None = None,
         timeout_s: float = 60.0,
+        populate: bool = True,
     ) -> SegmentHolder:
-        """Spawn a holder and return once its segment is mounted."""
+        """Spawn a holder and return once its segment is mounted (and, with `populate`,
+        every page of it mapped)."""
         size_bytes = parse_size(size, "size")
         argv = [
             sys.executable, "-m", "hybridkv.transport.holder", "--master", master_address,
             "--segment-size", str(size_bytes), "--hostname", hostname,
         ]  # fmt: skip
+        if not populate:
+            argv.append("--no-populate")
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": hostname, "PYTHONUNBUFFERED": "1"}
         env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         child = ChildProcess("segment-holder", argv, env, log_path)
