@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _proc import resident_bytes
 
 from hybridkv.transport.errors import Status, StoreUnavailable
 from hybridkv.transport.master import MasterProcess, free_port, is_listening
@@ -110,14 +111,6 @@ def test_holder_starts_ready_and_stops_cleanly(
     assert holder.size == 16 << 20
     holder.stop()
     assert not holder.running()
-
-
-def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")

@@ -6,18 +6,11 @@ import mmap
 import sys
 
 import pytest
+from _proc import resident_bytes
 
 from hybridkv.transport.populate import new_regions, populate, writable_anonymous_regions
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux's /proc and madvise")
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 def test_a_new_mapping_is_found_and_populated_without_changing_its_bytes() -> None:

@@ -5,6 +5,7 @@ and mode, the objects stored and the blocks loaded must equal the token-free ora
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import sys
@@ -36,8 +37,7 @@ def block_lists(draw: st.DrawFn) -> list[int]:
         if start is None:
             break
         length = draw(st.integers(1, 20))
-        run = [b for b in range(start, start + length) if b in free]
-        run = run[: next((i for i in range(1, len(run)) if run[i] != run[i - 1] + 1), len(run))]
+        run = list(itertools.takewhile(set(free).__contains__, range(start, start + length)))
         pieces += run
         free = [b for b in free if b not in run]
     return pieces
