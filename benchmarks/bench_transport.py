@@ -13,11 +13,12 @@ the median of `--repeats` passes after a warm-up pass, raw and transport passes 
 (the same store, the same bytes; the modes rotate) so that drifts of a shared machine hit
 all alike. The holder maps its whole segment at start (its default), so no pass pays the
 first touch of holder pages (a put into them takes about twice as long).
-"put after last layer" is what a layerwise save leaves once its last layer was handed over
-(the part a forward pass cannot hide). The serial reference is raw put (get) plus one numpy
-copy of the same bytes between per-layer tensors and per-block objects: what host-side
-layout work costs when nothing overlaps it (on 2 cores shared by client and holder, the
-loopback transfer leaves little room to overlap it).
+"put after last layer" is what a layerwise save leaves once its last layer was handed over,
+"get until layer 0" how long a layerwise load keeps the first layer waiting: the parts a
+forward pass cannot hide (a raw call leaves nothing usable before it returns). The serial
+reference is raw put (get) plus one numpy copy of the same bytes between per-layer tensors
+and per-block objects: what host-side layout work costs when nothing overlaps it (on 2
+cores shared by client and holder, the loopback transfer leaves little room to overlap it).
 
 Starts its own master and segment holder on loopback; needs mooncake installed. Run:
 `python benchmarks/bench_transport.py [--blocks N] [--repeats R]`.
@@ -183,16 +184,24 @@ def transport_put(engine: TransferEngine, saves: list[BlockTransfer], mode: str)
     return time.perf_counter() - handed_over
 
 
-def transport_get(engine: TransferEngine, loads: list[BlockTransfer], mode: str) -> int:
-    """Load; returns how many keys failed (reported, not raised: the bench shows it)."""
+def transport_get(
+    engine: TransferEngine, loads: list[BlockTransfer], mode: str
+) -> tuple[int, float]:
+    """Load; returns how many keys failed (reported, not raised: the bench shows it) and
+    the seconds until the first layer was usable (the part a forward pass cannot hide:
+    the whole load for "whole")."""
+    started = time.perf_counter()
     if mode == "whole":
         result = engine.load(loads).wait()
+        first_layer = time.perf_counter()
     else:
         step = engine.begin_layerwise(loads=loads)
-        for layer in range(LAYERS):
+        step.wait_layer_loaded(0)
+        first_layer = time.perf_counter()
+        for layer in range(1, LAYERS):
             step.wait_layer_loaded(layer)
         result = step.finish()
-    return len(result.failed_keys)
+    return len(result.failed_keys), first_layer - started
 
 
 def engine_for(store: MooncakeStore, caches: Caches, mode: str) -> TransferEngine:
@@ -220,7 +229,10 @@ def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -
     times: dict[str, float] = {}
     keys, ptrs, sizes = raw_args(expected, flat, prefixes["raw"])
     engines = {mode: engine_for(store, target, mode) for mode in MODES.values()}
-    samples: dict[str, list[float]] = {name: [] for name in ["raw", *engines]}
+    samples: dict[str, list[float]] = {
+        name: [] for mode in engines for name in (mode, f"{mode} first layer")
+    }
+    samples["raw"] = []
     try:
         for repeat in range(repeats + 1):  # pass 0 warms both paths up
             seconds, codes = timed(client.batch_get_into, keys, ptrs, sizes)
@@ -229,9 +241,10 @@ def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -
                 raise RuntimeError("raw get returned wrong bytes")
             samples["raw"].append(seconds)
             for mode, engine in rotated(engines, repeat):
-                seconds, failed = timed(
+                seconds, (failed, first_s) = timed(
                     transport_get, engine, transfers(prefixes[mode], blocks), mode
                 )
+                samples[f"{mode} first layer"].append(first_s)
                 times[f"{mode} failed keys"] = max(failed, times.get(f"{mode} failed keys", 0))
                 if not failed and not target.same_as(expected):
                     raise RuntimeError(f"transport get ({mode}) returned wrong bytes")
@@ -245,6 +258,14 @@ def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -
         store.close()
         client.close()
     return times
+
+
+def wait_line(label: str, raw_s: float, ours_s: float) -> str:
+    """A wait the model thread sees: raw's whole call against what the transport leaves."""
+    return (
+        f"  {label:<34} raw {raw_s * 1e3:6.0f} ms    transport {ours_s * 1e3:6.0f} ms    "
+        f"ratio {raw_s / ours_s:5.2f}"
+    )
 
 
 def ratio_line(label: str, raw_s: float, ours_s: float, nbytes: int) -> str:
@@ -290,10 +311,9 @@ def main() -> int:
             for mode in MODES.values()
         }
         scratch = np.zeros_like(flat)
-        # name -> per pass: (put, get, after the last layer) or, for raw, (put, get, gather)
-        samples: dict[str, list[tuple[float, float, float]]] = {
-            name: [] for name in ["raw", *engines]
-        }
+        # name -> per pass: (put, get, after the last layer, until the first layer) or, for
+        # raw, (put, get, gather, gather)
+        samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["raw", *engines]}
         try:
             for repeat in range(args.repeats + 1):  # pass 0 warms both paths up
                 keys, ptrs, sizes = raw_args(source, flat, f"raw{repeat}")
@@ -305,20 +325,20 @@ def main() -> int:
                 if not np.array_equal(back, flat):
                     raise RuntimeError("raw round trip returned wrong bytes")
                 gather_s, _ = timed(source.gather_into, scratch)
-                samples["raw"].append((put_s, get_s, gather_s))
+                samples["raw"].append((put_s, get_s, gather_s, gather_s))
                 if repeat < args.repeats:
                     client.batch_remove(keys, True)
                 for mode, (writer, reader) in rotated(engines, repeat):
                     saves = transfers(f"{mode}{repeat}", args.blocks)
                     put_s, tail_s = timed(transport_put, writer, saves, mode)
-                    get_s, failed = timed(transport_get, reader, saves, mode)
+                    get_s, (failed, first_s) = timed(transport_get, reader, saves, mode)
                     if failed:
                         raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
                     if not target.same_as(source):
                         raise RuntimeError(f"transport round trip ({mode}): wrong bytes")
                     for array in target.arrays.values():
                         array[:] = 0
-                    samples[mode].append((put_s, get_s, tail_s))
+                    samples[mode].append((put_s, get_s, tail_s, first_s))
                     if repeat < args.repeats:
                         client.batch_remove([t.key for t in saves], True)
             same = {
@@ -355,14 +375,16 @@ def main() -> int:
             store.close()
             client.close()
 
-    raw_put, raw_get, gather = same["raw"]
+    raw_put, raw_get, gather, _ = same["raw"]
     print("same process (put, then get into other memory):")
     for label, mode in MODES.items():
-        put_s, get_s, tail_s = same[mode]
+        put_s, get_s, tail_s, first_s = same[mode]
         print(ratio_line(f"{label}: put", raw_put, put_s, total))
         if mode != "whole":
-            print(ratio_line(f"{label}: put after last layer", raw_put, tail_s, total))
+            print(wait_line(f"{label}: put after last layer", raw_put, tail_s))
         print(ratio_line(f"{label}: get", raw_get, get_s, total))
+        if mode != "whole":
+            print(wait_line(f"{label}: get until layer 0", raw_get, first_s))
         print(ratio_line(f"{label}: put+get", raw_put + raw_get, put_s + get_s, 2 * total))
     print(
         f"serial reference: raw + one numpy copy of the same bytes between per-layer tensors "
@@ -374,6 +396,9 @@ def main() -> int:
         failed = int(cross[f"{mode} failed keys"])
         note = f"  ({failed} of {len(GROUPS) * args.blocks} keys FAILED)" if failed else ""
         print(ratio_line(f"{label}: get", cross["raw"], cross[mode], total) + note)
+        if mode != "whole":
+            first = cross[f"{mode} first layer"]
+            print(wait_line(f"{label}: get until layer 0", cross["raw"], first))
     return 0
 
 

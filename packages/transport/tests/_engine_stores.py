@@ -83,6 +83,12 @@ class RecordingStore(MemoryStore):
         self._record("batch_put_whole", keys)
         return super().batch_put_whole(keys, ptrs, sizes)
 
+    def batch_get_whole(
+        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+    ) -> list[Status]:
+        self._record("batch_get_whole", keys)
+        return super().batch_get_whole(keys, ptrs, sizes)
+
     def count(self, operation: str) -> int:
         with self._log:
             return sum(1 for name, _ in self.calls if name == operation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 from _engine_drive import LayerCheck, engine_for, load, read_object, save, unique_prefix
@@ -16,6 +17,7 @@ from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.store import Pointers, Sizes
 from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
 BLOCKS = {0: [0, 1], 1: [2, 3], 2: [4]}
@@ -181,6 +183,39 @@ def test_a_device_error_reaches_the_caller_and_revokes_the_step() -> None:
     # Layer 1 was never written: group 1 (layers 1-3) must not be readable. Group 0 and 2
     # objects were complete and committed.
     assert store.batch_is_readable([t.key for t in saves]) == [True, True, False, False, True]
+    assert_clean(store, outstanding)
+
+
+class CrashingGetStore(MemoryStore):
+    """Whole-object gets write half of the first object, then raise (not a store error)."""
+
+    def batch_get_whole(
+        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
+    ) -> list[Status]:
+        super().batch_get_whole(keys[:1], ptrs[:1], sizes[:1])
+        raise RuntimeError("client crashed mid-get")
+
+
+def test_a_staged_fetch_that_raises_fails_every_block_and_copies_nothing() -> None:
+    store = CrashingGetStore()
+    source, saves = filled_caches_and_saves(seed=18)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    target = Caches(num_blocks=8, seed=19)
+    with engine_for(store, target, "staged") as reader:
+        step = reader.begin_layerwise(loads=saves)
+        with pytest.raises(RuntimeError, match="crashed mid-get"):
+            step.wait_layer_loaded(0)
+        for layer in range(1, NUM_LAYERS):  # later layers: reported failed, not copied
+            assert step.wait_layer_loaded(layer) == {
+                group: set(blocks) for group, blocks in BLOCKS.items()
+            }
+        with pytest.raises(RuntimeError, match="crashed mid-get"):
+            step.finish()
+        assert reader.staging is not None
+        assert reader.staging.in_use == 0
+        outstanding = reader.outstanding("load")
+    assert not any(array.any() for array in target.arrays.values())
     assert_clean(store, outstanding)
 
 

@@ -164,6 +164,47 @@ def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> 
     assert offsets == [layer * BLOCK for layer in range(LAYERS)]  # in layer order
 
 
+def test_staged_loads_copy_each_layer_only_when_it_is_due(memory: np.ndarray) -> None:
+    def layouts(array: np.ndarray) -> list[GroupLayout]:
+        """Group 0 over every layer (rows 0-7), group 1 over layers 0-5 only (rows 8-15)."""
+        short = [
+            CacheEntry(layer, "short", array[layer, 8:].ctypes.data, BLOCK, BLOCK, num_blocks=8)
+            for layer in range(6)
+        ]
+        return [deep_layout(array), GroupLayout(1, short)]
+
+    target = np.zeros_like(memory)
+    prefix = unique_prefix()
+    moved = [
+        *saves(4, prefix),
+        *(BlockTransfer(f"{prefix}-s{i}", 1, i, prefix, i) for i in range(3)),
+    ]
+    store = RecordingStore()
+    with TransferEngine(store, layouts(memory)) as writer:
+        assert writer.save(moved).wait(timeout=10).ok
+    options = PipelineOptions(prefetch_layers=0)
+    with TransferEngine(store, layouts(target), options) as reader:
+        pool = reader.staging
+        assert pool is not None
+        step = reader.begin_layerwise(loads=moved)
+        assert step.wait_layer_loaded(0) == {}
+        assert store.count("batch_get_whole") == 1  # every object, fetched at once
+        time.sleep(0.1)  # a copy of a later layer would land now
+        np.testing.assert_array_equal(target[0, :4], memory[0, :4])
+        np.testing.assert_array_equal(target[0, 8:11], memory[0, 8:11])
+        assert not target[1:].any()  # later layers are copied when they are due
+        both = pool.in_use
+        step.wait_layer_loaded(5)  # the short group's last layer: its slab is free
+        assert 0 < pool.in_use < both
+        assert not target[6:].any()
+        assert step.finish().ok
+        assert pool.in_use == 0
+    np.testing.assert_array_equal(target[:, :4], memory[:, :4])
+    np.testing.assert_array_equal(target[:6, 8:11], memory[:6, 8:11])
+    assert not target[:, 4:8].any()
+    assert not target[:, 11:].any()
+
+
 def test_large_batches_are_split_by_blocks_and_bytes(memory: np.ndarray) -> None:
     store = RecordingStore()
     options = PipelineOptions(

@@ -27,6 +27,7 @@ from hybridkv.transport.ownership import (
 )
 from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, Worker
 from hybridkv.transport.sessions import (
+    LayerwiseStagedReads,
     Outcome,
     RangedReads,
     RangedWrites,
@@ -48,7 +49,9 @@ log = logging.getLogger(__name__)
 _WRITES: dict[str, type[Writes]] = {
     "staged": StagedWrites, "layer": RangedWrites, "group": WholeWrites
 }  # fmt: skip
-_READS: dict[str, type[Reads]] = {"staged": StagedReads, "layer": RangedReads, "group": WholeReads}
+_READS: dict[str, type[Reads]] = {
+    "staged": LayerwiseStagedReads, "layer": RangedReads, "group": WholeReads
+}  # fmt: skip
 _WHOLE_WRITES: dict[str, type[WholeWrites]] = {
     "staged": StagedWrites, "layer": WholeWrites, "group": WholeWrites
 }  # fmt: skip

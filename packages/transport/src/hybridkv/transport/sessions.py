@@ -4,8 +4,8 @@ Three granularities answer the same questions (open, move a layer, commit, drop)
 - staged: each object moves as ONE piece per key through registered host staging memory:
   layer by layer, each layer is copied into staging once ready and a group's objects are
   put once its last layer is in; a whole save gathers part by part, each part put while the
-  next is gathered; reads fetch whole objects part by part and scatter each part into the
-  caches while the next one is fetched;
+  next is gathered; layerwise reads fetch whole objects at the start and scatter each layer
+  into the caches when it is due, whole reads scatter each part while the next is fetched;
 - ranged: put/get sessions; each layer's byte ranges move on their own, a group commits
   once all of its own layers were written; nothing is readable before the commit;
 - whole: each group's objects move in one multi-buffer call (one piece per layer), written
@@ -356,15 +356,21 @@ class Transfers:
         """
         parts = self.options.split(call.nbytes, call.pieces)
         if self.pool is None:
-            failed: list[tuple[GroupBatch, int]] = []
-            for part in parts:
-                failed += self._settle(call, part, operation, _guarded(send, part, operation))
-            return failed
+            return self.issue_serially(call, parts, operation, send)
         if after is not None:
             return self._get_pipelined(call, finer(parts, call.nbytes), operation, send, after)
         if before is not None:
             parts = finer(parts, call.nbytes)
         return self._put_pipelined(call, parts, operation, send, before)
+
+    def issue_serially(
+        self, call: Call, parts: list[slice], operation: str, send: StoreCall
+    ) -> list[tuple[GroupBatch, int]]:
+        """Run `send` over `parts` one after another here; returns the rows that failed."""
+        failed: list[tuple[GroupBatch, int]] = []
+        for part in parts:
+            failed += self._settle(call, part, operation, _guarded(send, part, operation))
+        return failed
 
     def _put_pipelined(
         self,
@@ -823,10 +829,9 @@ class StagedWrites(WholeWrites):
 
 
 class StagedReads(WholeReads):
-    """Whole objects fetched into staging slabs part by part (one piece per key) at the
-    step's start, each part scattered into the caches while the next is fetched; the slabs
-    are free again before the first layer is used. Objects without a slab are read straight
-    into the caches, piece by piece."""
+    """Whole objects fetched into staging slabs part by part (one piece per key), each part
+    scattered into the caches while the next is fetched. Objects without a slab are read
+    straight into the caches, piece by piece."""
 
     def start(self) -> None:
         self.stage()
@@ -848,3 +853,61 @@ class StagedReads(WholeReads):
 
     def end(self) -> None:
         self.unstage()
+
+
+class LayerwiseStagedReads(StagedReads):
+    """Whole objects fetched into staging slabs at the step's start, in the background;
+    each layer is scattered into the caches when it is due (prefetched a few layers ahead).
+
+    An object holds every layer, so the first layer waits for the whole fetch, but only
+    for its own scatter: the other layers' copies overlap the forward pass instead of
+    delaying its start. A group's slabs are freed once its last layer is scattered.
+    """
+
+    _fetch: Future[list[tuple[GroupBatch, int]]] | None = None
+    _fetched = False
+
+    def scheduled_layers(self) -> set[int]:
+        return {layer for batch in self.batches.values() for layer in batch.layout.layers}
+
+    def start(self) -> None:
+        assert self.pool is not None
+        self.stage()
+        call = self.whole_call(self.batches.values())
+        if not call.keys:
+            return
+        self.caches_writable()  # unstaged objects are read straight into the caches
+        parts = self.options.split(call.nbytes, call.pieces)
+        self._fetch = self.pool.gets.submit(
+            self.issue_serially, call, parts, "batch_get_whole", self._get_whole(call)
+        )
+
+    def read_layer(self, layer: int) -> None:
+        self._await_fetch()
+        self.caches_writable()
+        for batch in self.batches.values():
+            if not batch.segments:
+                continue  # no slab: fetched into the caches, or freed after its last layer
+            entries = batch.layout.entries_of_layer(layer)
+            if entries:
+                batch.copy_rows(batch.live(), into_staging=False, entries=entries)
+            if layer == batch.layout.last_layer:
+                self.unstage([batch])
+
+    def end(self) -> None:
+        try:
+            self._await_fetch()
+        finally:
+            self.unstage()
+
+    def _await_fetch(self) -> None:
+        """Wait for the fetch once; its failed keys are failed before any layer is copied."""
+        if self._fetch is None or self._fetched:
+            return
+        self._fetched = True
+        try:
+            failed = self._fetch.result()
+        except BaseException:
+            self.fail_all(self.batches.values())  # the slabs' contents are unknown
+            raise
+        self.fail(failed)
