@@ -8,11 +8,12 @@ into registered staging memory, one piece per key) and at "layer" granularity (r
 put/get sessions, no copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
 bytes with `batch_put_from` / `batch_get_into` from one contiguous buffer per object (the
 best Mooncake can do, no layout work at all). Same process, then a second process reading
-what the first wrote (objects in a segment holder). Ratio = raw time / transport time, each
-the median of `--repeats` passes after a warm-up pass, raw and transport passes alternating
-(the same store, the same bytes; the modes rotate) so that drifts of a shared machine hit
-all alike. The holder maps its whole segment at start (its default), so no pass pays the
-first touch of holder pages (a put into them takes about twice as long).
+what the first wrote (objects in a segment holder). `--repeats` passes after a warm-up
+pass, raw and transport runs alternating (the same store, the same bytes; the modes
+rotate); a ratio is the median over the passes of raw time / transport time (the two runs
+of a pass are adjacent, so drifts of a shared machine cancel out), with its range; speeds
+are from median times. The holder maps its whole segment at start (its default), so no
+pass pays the first touch of holder pages (a put into them takes about twice as long).
 "put after last layer" is what a layerwise save leaves once its last layer was handed over,
 "get until layer 0" how long a layerwise load keeps the first layer waiting: the parts a
 forward pass cannot hide (a raw call leaves nothing usable before it returns). The serial
@@ -218,15 +219,18 @@ def connect(master: str) -> MooncakeStore:
     )
 
 
-def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -> dict[str, float]:
-    """Median get time per mode (and raw) of objects another process wrote; checks bytes."""
+def read_all(
+    master: str, blocks: int, prefixes: dict[str, str], repeats: int
+) -> dict[str, list[float]]:
+    """Get times per pass (after the warm-up) per mode and raw, of objects another process
+    wrote, and each mode's most failed keys in a pass; checks bytes."""
     expected = Caches(blocks, seed=1)
     target = Caches(blocks, seed=None)
     flat = np.zeros_like(expected.objects())
     client = raw_client(master)
     client.register_buffer(flat.ctypes.data, flat.nbytes)
     store = connect(master)
-    times: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     keys, ptrs, sizes = raw_args(expected, flat, prefixes["raw"])
     engines = {mode: engine_for(store, target, mode) for mode in MODES.values()}
     samples: dict[str, list[float]] = {
@@ -245,13 +249,14 @@ def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -
                     transport_get, engine, transfers(prefixes[mode], blocks), mode
                 )
                 samples[f"{mode} first layer"].append(first_s)
-                times[f"{mode} failed keys"] = max(failed, times.get(f"{mode} failed keys", 0))
+                most = times.setdefault(f"{mode} failed keys", [0])
+                most[0] = max(most[0], failed)
                 if not failed and not target.same_as(expected):
                     raise RuntimeError(f"transport get ({mode}) returned wrong bytes")
                 for array in target.arrays.values():
                     array[:] = 0
                 samples[mode].append(seconds)
-        times.update({name: statistics.median(runs[1:]) for name, runs in samples.items()})
+        times.update({name: runs[1:] for name, runs in samples.items()})
     finally:
         for engine in engines.values():
             engine.close()
@@ -260,19 +265,30 @@ def read_all(master: str, blocks: int, prefixes: dict[str, str], repeats: int) -
     return times
 
 
-def wait_line(label: str, raw_s: float, ours_s: float) -> str:
+def paired(raw: list[float], ours: list[float]) -> str:
+    """Median and range of raw / transport over the passes, each pass's two runs adjacent
+    in time (drifts of a shared machine cancel out of each ratio)."""
+    ratios = sorted(r / o for r, o in zip(raw, ours, strict=True))
+    return f"ratio {statistics.median(ratios):5.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def wait_line(label: str, raw: list[float], ours: list[float]) -> str:
     """A wait the model thread sees: raw's whole call against what the transport leaves."""
     return (
-        f"  {label:<34} raw {raw_s * 1e3:6.0f} ms    transport {ours_s * 1e3:6.0f} ms    "
-        f"ratio {raw_s / ours_s:5.2f}"
+        f"  {label:<34} raw {statistics.median(raw) * 1e3:6.0f} ms    transport "
+        f"{statistics.median(ours) * 1e3:6.0f} ms    {paired(raw, ours)}"
     )
 
 
-def ratio_line(label: str, raw_s: float, ours_s: float, nbytes: int) -> str:
+def ratio_line(label: str, raw: list[float], ours: list[float], nbytes: int) -> str:
     return (
-        f"  {label:<34} raw {nbytes / raw_s / 1e9:6.2f} GB/s  transport "
-        f"{nbytes / ours_s / 1e9:6.2f} GB/s  ratio {raw_s / ours_s:5.2f}"
+        f"  {label:<34} raw {nbytes / statistics.median(raw) / 1e9:6.2f} GB/s  transport "
+        f"{nbytes / statistics.median(ours) / 1e9:6.2f} GB/s  {paired(raw, ours)}"
     )
+
+
+def plus(first: list[float], second: list[float]) -> list[float]:
+    return [a + b for a, b in zip(first, second, strict=True)]
 
 
 def main() -> int:
@@ -341,8 +357,8 @@ def main() -> int:
                     samples[mode].append((put_s, get_s, tail_s, first_s))
                     if repeat < args.repeats:
                         client.batch_remove([t.key for t in saves], True)
-            same = {
-                name: tuple(statistics.median(column[1:]) for column in zip(*runs, strict=True))
+            same = {  # name -> per measure, its passes after the warm-up
+                name: [list(column[1:]) for column in zip(*runs, strict=True)]
                 for name, runs in samples.items()
             }
             prefixes = {"raw": f"raw{args.repeats}"}
@@ -385,15 +401,17 @@ def main() -> int:
         print(ratio_line(f"{label}: get", raw_get, get_s, total))
         if mode != "whole":
             print(wait_line(f"{label}: get until layer 0", raw_get, first_s))
-        print(ratio_line(f"{label}: put+get", raw_put + raw_get, put_s + get_s, 2 * total))
+        print(
+            ratio_line(f"{label}: put+get", plus(raw_put, raw_get), plus(put_s, get_s), 2 * total)
+        )
     print(
         f"serial reference: raw + one numpy copy of the same bytes between per-layer tensors "
-        f"and per-block objects ({gather * 1e3:.0f} ms) = ratio put "
-        f"{raw_put / (raw_put + gather):.2f}, get {raw_get / (raw_get + gather):.2f}"
+        f"and per-block objects ({statistics.median(gather) * 1e3:.0f} ms) = put "
+        f"{paired(raw_put, plus(raw_put, gather))}, get {paired(raw_get, plus(raw_get, gather))}"
     )
     print("cross process (a second process reads what this one wrote):")
     for label, mode in MODES.items():
-        failed = int(cross[f"{mode} failed keys"])
+        [failed] = cross[f"{mode} failed keys"]
         note = f"  ({failed} of {len(GROUPS) * args.blocks} keys FAILED)" if failed else ""
         print(ratio_line(f"{label}: get", cross["raw"], cross[mode], total) + note)
         if mode != "whole":
