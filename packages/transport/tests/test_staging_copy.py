@@ -123,3 +123,66 @@ def test_staged_store_calls_run_below_the_callers_priority(mode: str) -> None:
     assert len(store.niceness) >= 2
     assert all(nice == min(19, caller + STORE_CALL_NICENESS) for nice in store.niceness)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+
+
+class PieceRecordingStore(MemoryStore):
+    """Notes (operation, keys, most pieces of one key) of each whole-object call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, int]] = []
+
+    def batch_put_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
+        self.calls.append(("put", len(keys), max(map(len, ptrs))))
+        return super().batch_put_whole(keys, ptrs, sizes)
+
+    def batch_get_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
+        self.calls.append(("get", len(keys), max(map(len, ptrs))))
+        return super().batch_get_whole(keys, ptrs, sizes)
+
+
+def round_trip(store: MemoryStore, options: PipelineOptions, write_mode: str, read_mode: str,
+               hold_pool: bool = False) -> None:  # fmt: skip
+    """Save 3 x 7 blocks, load them elsewhere; `hold_pool`: the staging pools are full."""
+    source, target = Caches(NUM_BLOCKS, seed=3), Caches(NUM_BLOCKS)
+    source.fill()
+    written = {group: list(range(group, group + 7)) for group in (0, 1, 2)}
+    read = {group: list(range(20 + group * 7, 27 + group * 7)) for group in (0, 1, 2)}
+    prefix = unique_prefix()
+    for caches, blocks, mode in ((source, written, write_mode), (target, read, read_mode)):
+        with TransferEngine(store, caches.layouts, options) as engine:
+            assert engine.staging is not None
+            held = engine.staging.allocate(options.staging_bytes, 1) if hold_pool else None
+            moved = transfers(blocks, prefix=prefix)
+            assert (save if caches is source else load)(engine, moved, mode).ok
+            if held is not None:
+                engine.staging.free(held)
+    for group, blocks in written.items():
+        for source_block, target_block in zip(blocks, read[group], strict=True):
+            assert target.block_bytes(group, target_block) == source.block_bytes(
+                group, source_block
+            )
+
+
+@pytest.mark.parametrize(
+    ("write_mode", "read_mode"), list(itertools.product(["whole", "staged"], repeat=2))
+)
+def test_a_batch_larger_than_the_staging_room_moves_in_waves_one_piece_per_key(
+    write_mode: str, read_mode: str
+) -> None:
+    store = PieceRecordingStore()
+    largest = max(layout.object_size for layout in Caches(NUM_BLOCKS).layouts)
+    options = PipelineOptions(granularity="staged", staging_bytes=largest * 5 // 2)
+    round_trip(store, options, write_mode, read_mode)
+    assert {pieces for _, _, pieces in store.calls} == {1}  # never piece by piece
+    for operation in ("put", "get"):
+        keys = [count for name, count, _ in store.calls if name == operation]
+        assert sum(keys) == 21
+        assert max(keys) <= 5  # no wave larger than the room (2.5 of the largest objects)
+
+
+def test_objects_that_find_no_staging_room_move_piece_by_piece() -> None:
+    store = PieceRecordingStore()
+    round_trip(store, PipelineOptions(granularity="staged"), "staged", "staged", hold_pool=True)
+    assert store.calls
+    assert min(pieces for _, _, pieces in store.calls) > 1  # one piece per cache entry

@@ -16,6 +16,7 @@ key is dropped (its open session revoked) without touching other keys or groups.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -155,13 +156,36 @@ class GroupBatch:
     def keys_of(self, rows: Iterable[int]) -> list[str]:
         return [self.keys[row] for row in rows]
 
-    def stage(self, pool: StagingPool) -> None:
-        """Give runs of rows a slab each (at most the pool's size); no room: unstaged."""
+    def stage(self, pool: StagingPool, first: int = 0) -> bool:
+        """Give the live rows from `first` on slabs, run after run, as far as the pool has
+        room; the rest (maybe nothing) is one unstaged segment at the end. Returns whether
+        any row got a slab."""
         count, width = len(self.keys), self.layout.object_size
-        per_slab = max(1, pool.capacity // width)
-        for start in range(0, count, per_slab):
-            stop = min(count, start + per_slab)
-            self.segments.append(Segment(start, stop, pool.allocate(stop - start, width)))
+        live = self.live()
+        live = live[live >= first]
+        start = int(live[0]) if len(live) else count
+        staged = False
+        while start < count:
+            slab = pool.allocate(count - start, width)
+            if slab is None:
+                break
+            self.segments.append(Segment(start, start + slab.rows, slab))
+            start += slab.rows
+            staged = True
+        self.segments.append(Segment(start, count, None))
+        return staged
+
+    @property
+    def staged_to(self) -> int:
+        """The row after the last one with a slab (0: none has one)."""
+        return max((seg.stop for seg in self.segments if seg.slab is not None), default=0)
+
+    def fully_staged(self) -> bool:
+        """Every live row has a slab."""
+        return all(
+            segment.slab is not None or not self.alive[segment.start : segment.stop].any()
+            for segment in self.segments
+        )
 
     def unstage(self, pool: StagingPool) -> None:
         for segment in self.segments:
@@ -181,7 +205,7 @@ class GroupBatch:
         """
         indices = range(len(self.layout.entries)) if entries is None else entries
         for segment in self.segments:
-            if segment.slab is None:
+            if segment.slab is None or (into_staging and segment.filled):
                 continue
             low, high = np.searchsorted(rows, [segment.start, segment.stop])
             if low == high:
@@ -228,12 +252,15 @@ def _runs(slots: Rows, blocks: BlockIds) -> list[tuple[int, int, int]] | None:
 
 
 class Segment:
-    """Rows [start, stop) of a group batch and the slab staging them (None: unstaged)."""
+    """Rows [start, stop) of a group batch and the slab staging them (None: unstaged).
 
-    __slots__ = ("slab", "start", "stop")
+    `filled`: the slab already holds every layer (copied in as each layer was saved)."""
+
+    __slots__ = ("filled", "slab", "start", "stop")
 
     def __init__(self, start: int, stop: int, slab: Slab | None) -> None:
         self.start, self.stop, self.slab = start, stop, slab
+        self.filled = False
 
 
 def group_batches(
@@ -328,11 +355,17 @@ class Transfers:
         self.outcome = outcome
         self.pool = pool
 
-    def stage(self) -> None:
-        """Give every batch staging slabs where the pool has room (staged modes only)."""
+    def stage(
+        self, batches: Iterable[GroupBatch] | None = None, first: dict[int, int] | None = None
+    ) -> bool:
+        """Give the batches' live rows (from `first[group]` on) staging slabs where the pool
+        has room (staged modes only); returns whether any row got one."""
+        staged = False
         if self.pool is not None:
-            for batch in self.batches.values():
-                batch.stage(self.pool)
+            for batch in self.batches.values() if batches is None else batches:
+                start = 0 if first is None else first.get(batch.layout.group_id, 0)
+                staged = batch.stage(self.pool, start) or staged
+        return staged
 
     def unstage(self, batches: Iterable[GroupBatch] | None = None) -> None:
         """Hand slabs back to the pool; safe to call more than once."""
@@ -442,18 +475,19 @@ class Transfers:
                 call.add(batch, batch.live(), ranges)
         return call
 
-    def whole_call(self, batches: Iterable[GroupBatch]) -> Call:
-        """Whole objects: one piece per staged key, one piece per entry otherwise."""
+    def whole_call(self, batches: Iterable[GroupBatch], staged_only: bool = False) -> Call:
+        """Whole objects: one piece per staged key, one piece per entry otherwise
+        (`staged_only`: the staged keys alone)."""
         call = Call()
         for batch in batches:
-            if not batch.segments:
+            if not batch.segments and not staged_only:
                 call.add(batch, batch.live(), batch.layout.whole)
             for segment in batch.segments:
                 live = segment.start + np.flatnonzero(batch.alive[segment.start : segment.stop])
-                if segment.slab is None:
-                    call.add(batch, live, batch.layout.whole)
-                else:
+                if segment.slab is not None:
                     call.add_staged(batch, live, segment, segment.slab)
+                elif not staged_only:
+                    call.add(batch, live, batch.layout.whole)
         return call
 
 
@@ -630,16 +664,21 @@ class WholeWrites(Writes):
         self.commit(list(self.batches.values()))
 
     def commit(self, batches: Sequence[GroupBatch]) -> None:
-        call = self.whole_call(batches)
-        if not call.keys:
-            return
-        self.fail(self._put(call))
-        self._commit_rows((batch, int(row)) for batch in batches for row in batch.live())
+        self._settle_puts(self.whole_call(batches), self._put)
         for batch in batches:
             batch.alive[:] = False
 
     def drop(self, batches: Sequence[GroupBatch]) -> None:
         self.fail_all(batches)
+
+    def _settle_puts(self, call: Call, put: Callable[[Call], list[tuple[GroupBatch, int]]]) -> None:
+        """Put the call's keys: the failed ones fail, the rest are committed; all settle."""
+        if not call.keys:
+            return
+        self.fail(put(call))
+        self._commit_rows((batch, row) for batch, row in call.rows if batch.alive[row])
+        for batch, row in call.rows:
+            batch.alive[row] = False
 
     def _put(self, call: Call) -> list[tuple[GroupBatch, int]]:
         return self.issue(call, "batch_put_whole", self._put_whole(call))
@@ -693,7 +732,13 @@ class Reads(Transfers, ABC):
     def _read(
         self, call: Call, operation: str, send: StoreCall, after: PartCopy | None = None
     ) -> None:
-        if call.keys:
+        """Read the call's keys (`after`: copy each part out of staging once it is in)."""
+        if not call.keys:
+            return
+        if after is None:
+            parts = self.options.split(call.nbytes, call.pieces)
+            self.fail(self.issue_serially(call, parts, operation, send))
+        else:
             self.fail(self.issue(call, operation, send, after=after))
 
 
@@ -792,10 +837,13 @@ class StagedWrites(WholeWrites):
 
     Layer by layer, each layer is gathered into the slabs as soon as it is ready (off the
     model thread, while later layers compute), so a group's commit only moves bytes. A
-    whole save gathers part by part, each part put while the next is gathered.
+    whole save gathers part by part, each part put while the next is gathered. Objects the
+    pool had no room for at the start move in waves at the commit, through the slabs the
+    previous wave freed (gathered then: the caches hold until the step settles); what still
+    finds no room moves piece by piece.
     """
 
-    _gathered = False  # every layer was copied into the slabs by write_ranges
+    _gathered = False  # write_ranges copied every layer into the slabs staged at open
 
     def open(self) -> None:
         self.stage()
@@ -809,42 +857,60 @@ class StagedWrites(WholeWrites):
 
     def commit(self, batches: Sequence[GroupBatch]) -> None:
         try:
-            super().commit(batches)
+            for batch in batches:
+                for segment in batch.segments:
+                    segment.filled = self._gathered and segment.slab is not None
+            while True:
+                self._settle_puts(self.whole_call(batches, staged_only=True), self._put_staged)
+                self.unstage(batches)  # free the slabs as soon as their objects are stored
+                if not self.stage(batches):
+                    break
+            super().commit(batches)  # no room at all: piece by piece
         finally:
-            self.unstage(batches)  # free the slabs as soon as their group is stored
+            self.unstage(batches)
 
     def drop(self, batches: Sequence[GroupBatch]) -> None:
         super().drop(batches)
         self.unstage(batches)
 
-    def _put(self, call: Call) -> list[tuple[GroupBatch, int]]:
-        if self._gathered:
-            return super()._put(call)
+    def _put_staged(self, call: Call) -> list[tuple[GroupBatch, int]]:
+        """Put staged rows, gathering those whose slab does not hold them yet."""
+        batches = {id(batch): batch for batch, _ in call.rows}.values()
+        gathered = all(seg.filled for batch in batches for seg in batch.segments if seg.slab)
         return self.issue(
             call,
             "batch_put_whole",
             self._put_whole(call),
-            before=lambda part: copy_part(call, part, into_staging=True),
+            before=None if gathered else lambda part: copy_part(call, part, into_staging=True),
         )
 
 
 class StagedReads(WholeReads):
-    """Whole objects fetched into staging slabs part by part (one piece per key), each part
-    scattered into the caches while the next is fetched. Objects without a slab are read
-    straight into the caches, piece by piece."""
+    """Whole objects fetched at the start, wave by wave: a wave's objects come into staging
+    slabs part by part (one piece per key), each part scattered into the caches while the
+    next is fetched, and the slabs then serve the next wave. Objects that find no room at
+    all are read straight into the caches, piece by piece."""
 
     def start(self) -> None:
-        self.stage()
-        call = self.whole_call(self.batches.values())
-        if call.keys:
+        batches = list(self.batches.values())
+        if any(batch.live().size for batch in batches):
             self.caches_writable()
+        first: dict[int, int] = {}
         try:
-            self._read(
-                call,
-                "batch_get_whole",
-                self._get_whole(call),
-                after=lambda part: copy_part(call, part, into_staging=False),
-            )
+            while self.stage(batches, first):
+                call = self.whole_call(batches, staged_only=True)
+                self._read(
+                    call,
+                    "batch_get_whole",
+                    self._get_whole(call),
+                    after=functools.partial(copy_part, call, into_staging=False),
+                )
+                for batch in batches:
+                    group = batch.layout.group_id
+                    first[group] = max(first.get(group, 0), batch.staged_to)
+                self.unstage()
+            rest = self.whole_call(batches)  # the unstaged tails the last try left
+            self._read(rest, "batch_get_whole", self._get_whole(rest))
         finally:
             self.unstage()
 
@@ -861,7 +927,8 @@ class LayerwiseStagedReads(StagedReads):
 
     An object holds every layer, so the first layer waits for the whole fetch, but only
     for its own scatter: the other layers' copies overlap the forward pass instead of
-    delaying its start. A group's slabs are freed once its last layer is scattered.
+    delaying its start. A group's slabs are freed once its last layer is scattered. A
+    batch larger than the pool's free room is loaded whole at the start, in waves.
     """
 
     _fetch: Future[list[tuple[GroupBatch, int]]] | None = None
@@ -873,10 +940,13 @@ class LayerwiseStagedReads(StagedReads):
     def start(self) -> None:
         assert self.pool is not None
         self.stage()
+        if not all(batch.fully_staged() for batch in self.batches.values()):
+            self.unstage()  # more than the free room: every layer now, in waves
+            super().start()
+            return
         call = self.whole_call(self.batches.values())
         if not call.keys:
             return
-        self.caches_writable()  # unstaged objects are read straight into the caches
         parts = self.options.split(call.nbytes, call.pieces)
         self._fetch = self.pool.gets.submit(
             self.issue_serially, call, parts, "batch_get_whole", self._get_whole(call)

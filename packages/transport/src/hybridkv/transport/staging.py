@@ -5,11 +5,12 @@ many-layer object scattered over one tensor per layer is that many pieces. Stagi
 assembles each object in one registered buffer (a memcpy per layer, which on a GPU host is
 the device-to-host copy that overlaps compute), so the store moves it as ONE piece.
 
-The pool is one buffer registered once with the store, `capacity` bytes, carved first-fit.
-It never grows: a request that finds it full gets nothing and moves its objects unstaged
-(piece by piece, straight from the caches). It never waits for space: the holder of a slab
-may be a layerwise step that frees it only after jobs queued behind the waiter, on the same
-FIFO thread.
+The pool is one buffer registered once with the store, `capacity` bytes; a slab is carved
+from its largest free span, for as many of the requested objects as fit there. It never
+grows and never waits for space (the holder of a slab may be a layerwise step that frees it
+only after jobs queued behind the waiter, on the same FIFO thread): a batch larger than the
+free room moves in waves, each wave's slabs reused by the next, and objects that find no
+room at all move unstaged (piece by piece, straight from the caches).
 
 The pool also owns the threads that make staged store calls, so the copy of one part of a
 batch overlaps the store call of another (Mooncake releases the GIL while it moves bytes).
@@ -44,10 +45,11 @@ Bytes = npt.NDArray[np.uint8]
 class Slab:
     """A contiguous piece of the pool: `rows` objects of `width` bytes, row after row."""
 
-    __slots__ = ("address", "array", "size", "start")
+    __slots__ = ("address", "array", "rows", "size", "start")
 
     def __init__(self, pool_array: Bytes, start: int, rows: int, width: int, size: int) -> None:
         self.start = start
+        self.rows = rows
         self.size = size
         self.array: Bytes = pool_array[start : start + rows * width].reshape(rows, width)
         self.address = int(self.array.ctypes.data)
@@ -79,24 +81,30 @@ class StagingPool:
         )
 
     def allocate(self, rows: int, width: int) -> Slab | None:
-        """A slab for `rows` objects of `width` bytes, or None if the pool has no such room."""
-        size = -(-rows * width // ALIGNMENT) * ALIGNMENT
-        if size == 0 or size > self.capacity:
+        """A slab for up to `rows` objects of `width` bytes: as many as the largest free
+        span holds, or None if it holds none."""
+        if rows <= 0 or width <= 0:
             return None
         with self._lock:
             array = self._buffer()
-            if array is None:
+            if array is None or not self._free:
                 return None
-            for index, (start, free) in enumerate(self._free):
-                if free >= size:
-                    if free == size:
-                        del self._free[index]
-                    else:
-                        self._free[index] = (start + size, free - size)
-                    self.in_use += size
-                    self.peak = max(self.peak, self.in_use)
-                    return Slab(array, start, rows, width, size)
-        return None
+            index = max(range(len(self._free)), key=lambda i: self._free[i][1])
+            start, free = self._free[index]
+            fits = min(rows, free // width)
+            size = _aligned(fits * width)
+            if size > free:  # the span's unaligned tail: one object fewer
+                fits -= 1
+                size = _aligned(fits * width)
+            if fits <= 0:
+                return None
+            if free == size:
+                del self._free[index]
+            else:
+                self._free[index] = (start + size, free - size)
+            self.in_use += size
+            self.peak = max(self.peak, self.in_use)
+            return Slab(array, start, fits, width, size)
 
     def free(self, slab: Slab) -> None:
         with self._lock:
@@ -136,6 +144,10 @@ class StagingPool:
                     self._store.unregister_buffer(int(array.ctypes.data))
                 except StoreError as exc:
                     log.warning("staging buffer not unregistered: %s", exc)
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGNMENT) * ALIGNMENT
 
 
 def yield_cpu() -> None:
