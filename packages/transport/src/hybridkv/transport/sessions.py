@@ -957,7 +957,7 @@ class LayerwiseStagedReads(StagedReads):
         self.caches_writable()
         for batch in self.batches.values():
             if not batch.segments:
-                continue  # no slab: fetched into the caches, or freed after its last layer
+                continue  # loaded whole at the start, or freed after its last layer
             entries = batch.layout.entries_of_layer(layer)
             if entries:
                 batch.copy_rows(batch.live(), into_staging=False, entries=entries)
