@@ -9,6 +9,7 @@ import pytest
 from layerwise_rig import ATTENTION, MIXER, Rig, wait_until
 
 from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
+from hybridkv.integration.strategy import StateCopyJob
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -144,6 +145,52 @@ def test_mamba_hook_outside_a_step_does_nothing(rig: Rig) -> None:
     layerwise.install_state_hooks(ctx)
     ctx[MIXER](5)  # profiling / dummy run: no step bound
     assert rig.strategy.stats.layers_saved == 0
+    layerwise.close()
+
+
+class CopyRecorder:
+    """A state copy that notes the layers it copied and the mixer's state at that time."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.copied: list[tuple[list[str], int]] = []
+
+    def __call__(self, names: Any) -> None:
+        self.copied.append((list(names), int(self.rig.caches[2, 3][BLOCKS[0], 0])))
+
+
+def _loaded_step(rig: Rig, hooks_fire: bool) -> tuple[VllmLayerwise, dict[str, Any]]:
+    """Every layer stored (layer L holds 40 + L), caches cleared, a step loading it all."""
+    for layer in range(4):
+        rig.fill(layer, BLOCKS, 40 + layer)
+    assert rig.engine.save(rig.transfers(BLOCKS, tag="s")).wait(timeout=10).ok
+    for cache in rig.caches.values():
+        cache[:] = 0
+    ctx = context(rig)
+    layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)), hooks_fire=hooks_fire)
+    layerwise.install_state_hooks(ctx)
+    layerwise.begin_step(rig.transfers(BLOCKS, tag="s"), [])
+    return layerwise, ctx
+
+
+def test_a_loaded_state_is_copied_in_its_layers_pre_hook_after_its_load(rig: Rig) -> None:
+    layerwise, ctx = _loaded_step(rig, hooks_fire=True)
+    copy = CopyRecorder(rig)
+    layerwise.copy_loaded_states([StateCopyJob([MIXER], copy)])
+    assert copy.copied == []  # not yet: the forward has not reached the mixer
+    assert rig.strategy.stats.finish_wait_s == 0  # and nothing waited for every load
+    forward(layerwise, rig, ctx[MIXER], 0)
+    assert copy.copied == [([MIXER], 43)]  # in the mixer's pre-hook, its load landed
+    assert layerwise.end_step().loads.ok
+    layerwise.close()
+
+
+def test_without_running_hooks_a_loaded_state_is_copied_before_the_forward(rig: Rig) -> None:
+    layerwise, _ = _loaded_step(rig, hooks_fire=False)  # a compiled model
+    copy = CopyRecorder(rig)
+    layerwise.copy_loaded_states([StateCopyJob([MIXER, ATTENTION[0]], copy)])
+    assert copy.copied == [([MIXER, ATTENTION[0]], 43)]  # now, after every load
+    assert layerwise.end_step().loads.ok
     layerwise.close()
 
 

@@ -204,7 +204,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._strategy(engine, device),
             tp_rank,
             lambda: make_event(device),
-            block_copier(self.keys, kv_caches, self._kv_cache_config.num_blocks),
+            block_copier(kv_caches, self._kv_cache_config.num_blocks),
         )
         if tp_rank == 0:
             self._server = LookupServer(engine.batch_is_readable, self.config.lookup_port)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.integration.strategy import StepEnd, all_failed
+from hybridkv.integration.strategy import StateCopyJob, StepEnd, all_failed
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
@@ -98,6 +98,9 @@ class VllmLayerwise:
         self._loads: list[BlockTransfer] = []
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
+        self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
+        # Per hooked layer, this step's state copies still to run once its load landed.
+        self._state_copies: dict[str, list[Callable[[Sequence[str]], None]]] = {}
         self._uninstall: list[Callable[[], None]] = []
 
     def install_state_hooks(self, static_forward_context: Mapping[str, Any]) -> None:
@@ -107,21 +110,40 @@ class VllmLayerwise:
             module = static_forward_context[name]
             self._hook_handles.append(module.register_forward_pre_hook(self._load_hook(name)))
             self._hook_handles.append(module.register_forward_hook(self._state_hook(name)))
+            self._hooked.add(name)
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        self._hooked.clear()
 
     def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
         self._open_windows.clear()
+        self._state_copies.clear()
         self._loads = list(loads)
         self.strategy.begin_step(loads, saves)
         if loads and not self._hooks_fire and self._plan.state:
             self.strategy.wait_for_layer_load(max(self._plan.state, key=self.strategy.layer_of))
 
-    def wait_for_loads(self) -> None:
-        self.strategy.wait_all_loads()
+    def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
+        """Each hooked layer's copy runs in its pre-hook, right after its own load: the
+        other layers' loads keep overlapping the forward. Layers without a running hook
+        (compiled models) are copied now, after every load."""
+        now: list[tuple[StateCopyJob, list[str]]] = []
+        for job in copies:
+            rest = []
+            for name in job.layer_names:
+                if self._hooks_fire and name in self._hooked:
+                    self._state_copies.setdefault(name, []).append(job.copy)
+                else:
+                    rest.append(name)
+            if rest:
+                now.append((job, rest))
+        if now:
+            self.strategy.wait_all_loads()
+            for job, names in now:
+                job.copy(names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if layer_name in self._plan.windows:
@@ -141,6 +163,7 @@ class VllmLayerwise:
     def end_step(self) -> StepEnd:
         """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
+        self._state_copies.clear()
         loads, self._loads = self._loads, []
         try:
             failed = self.strategy.wait_all_loads()
@@ -181,11 +204,14 @@ class VllmLayerwise:
         import torch
 
         strategy = self.strategy
+        state_copies = self._state_copies
 
         def before_forward(_module: Any, _args: Any) -> None:
             if torch.compiler.is_compiling() or not strategy.active:
                 return  # compiled: begin_step already waited (hooks_fire=False)
             strategy.wait_for_layer_load(name)
+            for copy in state_copies.pop(name, ()):
+                copy([name])
 
         return before_forward
 

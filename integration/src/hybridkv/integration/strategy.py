@@ -1,10 +1,11 @@
 """How one step's transfers are issued: the interface both transfer modes implement.
 
-The worker calls the same five points every step, whatever the mode:
+The worker calls the same points every step, whatever the mode:
 
 - `begin_step(loads, saves)` when vLLM binds the step's connector metadata, before the
   forward (vLLM calls `start_load_kv` after the forward in steps without synchronous
-  loads, so that hook is too late for anything the forward needs);
+  loads, so that hook is too late for anything the forward needs), then
+  `copy_loaded_states(copies)` for recurrent states that must move after their load;
 - `wait_for_layer_load(name)` / `save_layer(name)` from vLLM's per-layer connector calls;
 - `end_step()` from `wait_for_save`, after the forward;
 - `close()` at shutdown.
@@ -38,15 +39,25 @@ class StepEnd:
     saves: Callable[[], TransferResult] | None = None
 
 
+@dataclass(frozen=True)
+class StateCopyJob:
+    """Copy a loaded recurrent state to the block this step's kernel reads it from.
+
+    `copy(names)` copies it for those of `layer_names` given, so a layerwise strategy can
+    copy each layer's state just before that layer runs."""
+
+    layer_names: Sequence[str]
+    copy: Callable[[Sequence[str]], None]
+
+
 class TransferStrategy(Protocol):
     """One step's transfers, driven by vLLM's connector calls (see the module doc)."""
 
     def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
         """Before the forward: the loads it needs, the saves it completes."""
 
-    def wait_for_loads(self) -> None:
-        """Before the forward: every load of the step has landed (failures still reported
-        at `end_step`). Needed when the worker must touch loaded blocks itself."""
+    def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
+        """Run each copy once the loads of its layers landed and before they compute."""
 
     def wait_for_layer_load(self, layer_name: str) -> None: ...
 
@@ -83,8 +94,9 @@ class WholeBlocks:
         self._saves = list(saves)
         self._loaded = self.engine.load(loads).wait() if loads else TransferResult()
 
-    def wait_for_loads(self) -> None:
-        return None  # begin_step already waited
+    def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
+        for job in copies:  # begin_step already waited for every load
+            job.copy(job.layer_names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -9,15 +9,16 @@ block that left a sliding window or a superseded Mamba state).
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hybridkv.integration.events import HeadStored
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
-from hybridkv.integration.strategy import StepEnd, TransferStrategy, all_failed
+from hybridkv.integration.strategy import StateCopyJob, StepEnd, TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
     CacheEntry,
@@ -107,7 +108,7 @@ class WorkerSide:
         strategy: TransferStrategy,
         tp_rank: int,
         new_event: Callable[[], Event],
-        copy_block: Callable[[int, int, int], None] | None = None,
+        copy_block: BlockCopier | None = None,
     ) -> None:
         self.keys = keys
         self._copy_block = copy_block
@@ -191,16 +192,23 @@ class WorkerSide:
             fence.synchronize()
         try:
             self.strategy.begin_step(sync, saves)
-            if copies:
-                self.strategy.wait_for_loads()
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             self._record_load(all_failed(sync))
             return
-        for copy in copies:
-            if self._copy_block is None:
+        if copies:
+            copy_block = self._copy_block
+            if copy_block is None:
                 raise RuntimeError("state copies planned but the worker has no caches to copy")
-            self._copy_block(copy.group, copy.src, copy.dst)
+            self.strategy.copy_loaded_states(
+                [
+                    StateCopyJob(
+                        self.keys.plan.groups[copy.group].layer_names,
+                        functools.partial(copy_block, copy.src, copy.dst),
+                    )
+                    for copy in copies
+                ]
+            )
 
     def start_async_loads(self) -> None:
         """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
@@ -254,13 +262,15 @@ class WorkerSide:
         self.engine.close()
 
 
-def block_copier(
-    keys: KeySpace, kv_caches: Mapping[str, Any], num_blocks: int
-) -> Callable[[int, int, int], None]:
-    """Copies one local block of every cache of a plan group (stream-ordered on GPUs)."""
+# (source block, destination block, layer names) -> None
+BlockCopier = Callable[[int, int, Sequence[str]], None]
 
-    def copy_block(group: int, src: int, dst: int) -> None:
-        for name in keys.plan.groups[group].layer_names:
+
+def block_copier(kv_caches: Mapping[str, Any], num_blocks: int) -> BlockCopier:
+    """Copies one local block of the named layers' caches (stream-ordered on GPUs)."""
+
+    def copy_block(src: int, dst: int, names: Sequence[str]) -> None:
+        for name in names:
             cache = kv_caches[name]
             for part in cache if isinstance(cache, list | tuple) else (cache,):
                 if part.shape[0] != num_blocks:  # [2, num_blocks, ...]: K and V
