@@ -16,7 +16,7 @@ from typing import Any
 
 from hybridkv.integration.events import HeadStored
 from hybridkv.integration.keying import KeySpace
-from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, StateCopy
 from hybridkv.integration.stats import Counters
 from hybridkv.integration.strategy import StateCopyJob, StepEnd, TransferStrategy, all_failed
 from hybridkv.transport import (
@@ -190,25 +190,25 @@ class WorkerSide:
             fence = self._new_event()
             fence.record()
             fence.synchronize()
+        if copies and self._copy_block is None:
+            raise RuntimeError("state copies planned but the worker has no caches to copy")
         try:
             self.strategy.begin_step(sync, saves)
+            if copies:
+                self.strategy.copy_loaded_states(self._state_copy_jobs(copies))
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             self._record_load(all_failed(sync))
-            return
-        if copies:
-            copy_block = self._copy_block
-            if copy_block is None:
-                raise RuntimeError("state copies planned but the worker has no caches to copy")
-            self.strategy.copy_loaded_states(
-                [
-                    StateCopyJob(
-                        self.keys.plan.groups[copy.group].layer_names,
-                        functools.partial(copy_block, copy.src, copy.dst),
-                    )
-                    for copy in copies
-                ]
+
+    def _state_copy_jobs(self, copies: Sequence[StateCopy]) -> list[StateCopyJob]:
+        assert self._copy_block is not None
+        return [
+            StateCopyJob(
+                self.keys.plan.groups[copy.group].layer_names,
+                functools.partial(self._copy_block, copy.src, copy.dst),
             )
+            for copy in copies
+        ]
 
     def start_async_loads(self) -> None:
         """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
