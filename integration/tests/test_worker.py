@@ -12,10 +12,10 @@ from conftest import attention, groups, mamba
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.layerwise import VllmLayerPlan, VllmLayerwise
-from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
 from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
-from hybridkv.integration.worker import WorkerSide, build_layouts, tensor_entries
+from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
 from hybridkv.transport import CpuEvent, MemoryStore, Status, TransferEngine
 
 torch = pytest.importorskip("torch")
@@ -158,3 +158,65 @@ def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     worker.barrier()
     assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[0])]
     assert worker.take_stored_events() == []
+
+
+def _with_copier(rig: Any) -> WorkerSide:
+    """The rig's engine and strategy, in a worker that can copy blocks of its caches."""
+    worker, caches, _ = rig
+    return WorkerSide(
+        worker.keys,
+        worker.engine,
+        worker.strategy,
+        0,
+        CpuEvent,
+        block_copier(caches, NUM_BLOCKS),
+    )
+
+
+def test_a_loaded_state_is_also_copied_where_the_step_reads_it(rig: Any) -> None:
+    worker, caches, _ = rig
+    conv = caches["model.layers.1.conv"]
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(1, 1, 3)]))])
+    saved = conv[3].clone()
+    copying = _with_copier(rig)
+    load = RequestTransfers(
+        request_id="b", loads=_refs([(1, 1, 7)]), copies=[StateCopy(group=1, src=7, dst=6)]
+    )
+    _step(copying, [load])
+    assert copying.take_load_errors() == set()
+    assert torch.equal(conv[7], saved)
+    assert torch.equal(conv[6], saved)  # the block this step's kernel reads
+
+
+class CrashingStore(MemoryStore):
+    """Every read raises: not a store failure, an error of the client itself."""
+
+    def batch_get_whole(self, *args: Any) -> list[Status]:
+        raise RuntimeError("client crashed")
+
+    def get_ranges(self, *args: Any) -> list[Status]:
+        raise RuntimeError("client crashed")
+
+
+def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs: Any) -> None:
+    config = groups(
+        vllm_specs,
+        (["model.layers.0.attn"], attention(vllm_specs)),
+        (["model.layers.1.conv"], mamba(vllm_specs)),
+    )
+    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(1, 2)), "tiny")
+    caches = _caches()
+    layouts = build_layouts(
+        keys, caches, {"model.layers.0.attn": 0, "model.layers.1.conv": 1}, NUM_BLOCKS
+    )
+    engine = TransferEngine(CrashingStore(), layouts)
+    worker = WorkerSide(
+        keys, engine, _layerwise(engine), 0, CpuEvent, block_copier(caches, NUM_BLOCKS)
+    )
+    load = RequestTransfers(
+        request_id="b", loads=_refs([(1, 1, 7)]), copies=[StateCopy(group=1, src=7, dst=6)]
+    )
+    worker.begin_step(HybridKVMetadata([load]))  # logged, not raised into vLLM
+    worker.end_step()
+    assert worker.take_load_errors() == {7}
+    worker.close()
