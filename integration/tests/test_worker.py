@@ -16,7 +16,7 @@ from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTra
 from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
-from hybridkv.transport import CpuEvent, MemoryStore, Status, TransferEngine
+from hybridkv.transport import CpuEvent, GroupLayout, MemoryStore, Status, TransferEngine
 
 torch = pytest.importorskip("torch")
 NUM_BLOCKS = 8
@@ -29,8 +29,8 @@ def _caches() -> dict[str, Any]:
     }
 
 
-@pytest.fixture(params=["whole", "layerwise"])
-def rig(vllm_specs: Any, request: Any) -> Any:
+def _model(vllm_specs: Any) -> tuple[KeySpace, dict[str, Any], list[GroupLayout]]:
+    """Keys, caches (random state) and layouts of an attention layer and a Mamba layer."""
     config = groups(
         vllm_specs,
         (["model.layers.0.attn"], attention(vllm_specs)),
@@ -42,6 +42,12 @@ def rig(vllm_specs: Any, request: Any) -> Any:
     layouts = build_layouts(
         keys, caches, {"model.layers.0.attn": 0, "model.layers.1.conv": 1}, NUM_BLOCKS
     )
+    return keys, caches, layouts
+
+
+@pytest.fixture(params=["whole", "layerwise"])
+def rig(vllm_specs: Any, request: Any) -> Any:
+    keys, caches, layouts = _model(vllm_specs)
     store = MemoryStore()
     engine = TransferEngine(store, layouts)
     worker = WorkerSide(keys, engine, STRATEGIES[request.param](engine), 0, CpuEvent)
@@ -199,16 +205,7 @@ class CrashingStore(MemoryStore):
 
 
 def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs: Any) -> None:
-    config = groups(
-        vllm_specs,
-        (["model.layers.0.attn"], attention(vllm_specs)),
-        (["model.layers.1.conv"], mamba(vllm_specs)),
-    )
-    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(1, 2)), "tiny")
-    caches = _caches()
-    layouts = build_layouts(
-        keys, caches, {"model.layers.0.attn": 0, "model.layers.1.conv": 1}, NUM_BLOCKS
-    )
+    keys, caches, layouts = _model(vllm_specs)
     engine = TransferEngine(CrashingStore(), layouts)
     worker = WorkerSide(
         keys, engine, _layerwise(engine), 0, CpuEvent, block_copier(caches, NUM_BLOCKS)
