@@ -43,11 +43,29 @@ def reader_store(store: Store, request: pytest.FixtureRequest) -> Iterator[Store
 def test_round_trip_is_byte_exact_across_modes(
     store: Store, reader_store: Store, write_mode: str, read_mode: str
 ) -> None:
+    round_trip(store, reader_store, write_mode, read_mode)
+
+
+STAGED = ("whole", "staged")
+
+
+@pytest.mark.parametrize(("write_mode", "read_mode"), list(itertools.product(STAGED, STAGED)))
+def test_staging_smaller_than_the_batch_round_trips_in_waves(
+    store: Store, reader_store: Store, write_mode: str, read_mode: str
+) -> None:
+    largest = max(layout.object_size for layout in Caches(num_blocks=8).layouts)
+    round_trip(store, reader_store, write_mode, read_mode, staging_bytes=largest * 5 // 2)
+
+
+def round_trip(
+    store: Store, reader_store: Store, write_mode: str, read_mode: str, **options: int
+) -> None:
+    """Save WRITER_BLOCKS, check the stored objects, load them into READER_BLOCKS."""
     prefix = unique_prefix()
     source, target = Caches(num_blocks=8, seed=1), Caches(num_blocks=8, seed=2)
     source.fill()
     saves = transfers(WRITER_BLOCKS, prefix=prefix)
-    with engine_for(store, source, write_mode) as writer:
+    with engine_for(store, source, write_mode, **options) as writer:
         saved = save(writer, saves, write_mode)
     assert saved.ok
     assert not saved.failed_blocks
@@ -67,7 +85,7 @@ def test_round_trip_is_byte_exact_across_modes(
         for group, blocks in READER_BLOCKS.items()
         for index, block in enumerate(blocks)
     }
-    with engine_for(reader_store, target, read_mode) as reader:
+    with engine_for(reader_store, target, read_mode, **options) as reader:
         loaded = load(reader, loads, read_mode, LayerCheck(source, target, remap))
     assert loaded.ok
     assert loaded.bytes == saved.bytes
