@@ -22,7 +22,7 @@ from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.errors import Status
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.pipeline import PipelineOptions
-from hybridkv.transport.staging import STORE_CALL_NICENESS
+from hybridkv.transport.staging import ALIGNMENT, STORE_CALL_NICENESS, Slab, StagingPool
 
 NUM_BLOCKS = 48
 
@@ -186,3 +186,39 @@ def test_objects_that_find_no_staging_room_move_piece_by_piece() -> None:
     round_trip(store, PipelineOptions(granularity="staged"), "staged", "staged", hold_pool=True)
     assert store.calls
     assert min(pieces for _, _, pieces in store.calls) > 1  # one piece per cache entry
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(1, 5000),
+    steps=st.lists(
+        st.tuples(st.booleans(), st.integers(1, 50), st.integers(1, 300), st.integers(0, 99)),
+        max_size=40,
+    ),
+)
+def test_the_pool_hands_out_disjoint_aligned_slabs_within_its_capacity(
+    capacity: int, steps: list[tuple[bool, int, int, int]]
+) -> None:
+    pool = StagingPool(MemoryStore(), capacity)
+    held: list[Slab] = []
+    for allocating, rows, width, pick in steps:
+        if allocating or not held:
+            slab = pool.allocate(rows, width)
+            if slab is None:  # no free span's aligned part holds one object
+                assert all(size // ALIGNMENT * ALIGNMENT < width for _, size in pool._free)
+            else:
+                assert 1 <= slab.rows <= rows
+                assert slab.size % ALIGNMENT == 0
+                assert slab.rows * width <= slab.size < slab.rows * width + ALIGNMENT
+                held.append(slab)
+        else:
+            pool.free(held.pop(pick % len(held)))
+        spans = sorted([*pool._free, *((slab.start, slab.size) for slab in held)])
+        assert all(size > 0 for _, size in spans)
+        assert all(a + size <= b for (a, size), (b, _) in itertools.pairwise(spans))
+        assert spans[-1][0] + spans[-1][1] <= capacity
+        assert pool.in_use == sum(slab.size for slab in held)
+    for slab in held:
+        pool.free(slab)
+    assert pool._free == [(0, capacity)]
+    pool.close()

@@ -91,13 +91,11 @@ class StagingPool:
                 return None
             index = max(range(len(self._free)), key=lambda i: self._free[i][1])
             start, free = self._free[index]
-            fits = min(rows, free // width)
-            size = _aligned(fits * width)
-            if size > free:  # the span's unaligned tail: one object fewer
-                fits -= 1
-                size = _aligned(fits * width)
+            # A slab's size is aligned, so it may use only the span's aligned part.
+            fits = min(rows, free // ALIGNMENT * ALIGNMENT // width)
             if fits <= 0:
                 return None
+            size = _aligned(fits * width)
             if free == size:
                 del self._free[index]
             else:
