@@ -205,7 +205,7 @@ class GroupBatch:
         """
         indices = range(len(self.layout.entries)) if entries is None else entries
         for segment in self.segments:
-            if segment.slab is None or (into_staging and segment.filled):
+            if segment.slab is None:
                 continue
             low, high = np.searchsorted(rows, [segment.start, segment.stop])
             if low == high:
@@ -252,15 +252,12 @@ def _runs(slots: Rows, blocks: BlockIds) -> list[tuple[int, int, int]] | None:
 
 
 class Segment:
-    """Rows [start, stop) of a group batch and the slab staging them (None: unstaged).
+    """Rows [start, stop) of a group batch and the slab staging them (None: unstaged)."""
 
-    `filled`: the slab already holds every layer (copied in as each layer was saved)."""
-
-    __slots__ = ("filled", "slab", "start", "stop")
+    __slots__ = ("slab", "start", "stop")
 
     def __init__(self, start: int, stop: int, slab: Slab | None) -> None:
         self.start, self.stop, self.slab = start, stop, slab
-        self.filled = False
 
 
 def group_batches(
@@ -857,14 +854,14 @@ class StagedWrites(WholeWrites):
 
     def commit(self, batches: Sequence[GroupBatch]) -> None:
         try:
-            for batch in batches:
-                for segment in batch.segments:
-                    segment.filled = self._gathered and segment.slab is not None
+            gathered = self._gathered  # the slabs staged at open hold every layer already
             while True:
-                self._settle_puts(self.whole_call(batches, staged_only=True), self._put_staged)
+                put = functools.partial(self._put_staged, gathered=gathered)
+                self._settle_puts(self.whole_call(batches, staged_only=True), put)
                 self.unstage(batches)  # free the slabs as soon as their objects are stored
                 if not self.stage(batches):
                     break
+                gathered = False  # a new wave: its slabs are gathered at the put
             super().commit(batches)  # no room at all: piece by piece
         finally:
             self.unstage(batches)
@@ -873,10 +870,8 @@ class StagedWrites(WholeWrites):
         super().drop(batches)
         self.unstage(batches)
 
-    def _put_staged(self, call: Call) -> list[tuple[GroupBatch, int]]:
-        """Put staged rows, gathering those whose slab does not hold them yet."""
-        batches = {id(batch): batch for batch, _ in call.rows}.values()
-        gathered = all(seg.filled for batch in batches for seg in batch.segments if seg.slab)
+    def _put_staged(self, call: Call, gathered: bool) -> list[tuple[GroupBatch, int]]:
+        """Put staged rows, gathering them part by part first unless the slabs hold them."""
         return self.issue(
             call,
             "batch_put_whole",
