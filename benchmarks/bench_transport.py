@@ -328,7 +328,7 @@ def main() -> int:
         }
         scratch = np.zeros_like(flat)
         # name -> per pass: (put, get, after the last layer, until the first layer) or, for
-        # raw, (put, get, gather, gather)
+        # raw, (put, get, gather)
         samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["raw", *engines]}
         try:
             for repeat in range(args.repeats + 1):  # pass 0 warms both paths up
@@ -341,7 +341,7 @@ def main() -> int:
                 if not np.array_equal(back, flat):
                     raise RuntimeError("raw round trip returned wrong bytes")
                 gather_s, _ = timed(source.gather_into, scratch)
-                samples["raw"].append((put_s, get_s, gather_s, gather_s))
+                samples["raw"].append((put_s, get_s, gather_s))
                 if repeat < args.repeats:
                     client.batch_remove(keys, True)
                 for mode, (writer, reader) in rotated(engines, repeat):
@@ -391,7 +391,7 @@ def main() -> int:
             store.close()
             client.close()
 
-    raw_put, raw_get, gather, _ = same["raw"]
+    raw_put, raw_get, gather = same["raw"]
     print("same process (put, then get into other memory):")
     for label, mode in MODES.items():
         put_s, get_s, tail_s, first_s = same[mode]
