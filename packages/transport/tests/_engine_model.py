@@ -11,7 +11,7 @@ physical layer 2 shared by two groups.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -30,33 +30,52 @@ SPECS: dict[int, list[tuple[int, str, int, int]]] = {
     2: [(0, "window", 256, 0), (3, "state", 1000, 24)],
 }
 NUM_LAYERS = 4
+BLOCK_PADDING = 40  # after each block of a block-major group
 
 
 class Caches:
-    """Numpy arrays standing for one worker's KV cache tensors."""
+    """Numpy arrays standing for one worker's KV cache tensors.
 
-    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+    Each entry has its own array (per-layer tensors, vLLM's layer-outermost layouts),
+    except in the `block_major` groups: there one array per group holds every block's
+    entries back to back in object order, with some padding after each block (vLLM's
+    block-outermost layouts), so each object is one run of memory.
+    """
+
+    def __init__(self, num_blocks: int, seed: int = 0, block_major: Collection[int] = ()) -> None:
         self.num_blocks = num_blocks
         self.rng = np.random.default_rng(seed)
         self.arrays: dict[tuple[int, int, str], np.ndarray] = {}
+        self.padding: dict[int, np.ndarray] = {}  # block-major group -> bytes after each block
         layouts = []
         for group, specs in SPECS.items():
-            entries = []
-            for layer, name, nbytes, pad in specs:
-                array = np.zeros((num_blocks, nbytes + pad), dtype=np.uint8)
-                self.arrays[(group, layer, name)] = array
-                entries.append(
-                    CacheEntry(
-                        layer=layer,
-                        name=name,
-                        base_ptr=array.ctypes.data,
-                        block_bytes=nbytes,
-                        block_stride=nbytes + pad,
-                        num_blocks=num_blocks,
-                    )
-                )
+            if group in block_major:
+                entries = self._block_major(group, sorted(specs))
+            else:
+                entries = [self._own_array(group, *spec) for spec in specs]
             layouts.append(GroupLayout(group, entries))
         self.layouts = layouts
+
+    def _own_array(self, group: int, layer: int, name: str, nbytes: int, pad: int) -> CacheEntry:
+        array = np.zeros((self.num_blocks, nbytes + pad), dtype=np.uint8)
+        self.arrays[(group, layer, name)] = array
+        return CacheEntry(layer, name, array.ctypes.data, nbytes, nbytes + pad, self.num_blocks)
+
+    def _block_major(
+        self, group: int, specs: Sequence[tuple[int, str, int, int]]
+    ) -> list[CacheEntry]:
+        stride = sum(nbytes for _, _, nbytes, _ in specs) + BLOCK_PADDING
+        memory = np.zeros((self.num_blocks, stride), dtype=np.uint8)
+        self.padding[group] = memory[:, stride - BLOCK_PADDING :]
+        entries, offset = [], 0
+        for layer, name, nbytes, _ in specs:
+            view = memory[:, offset : offset + nbytes]
+            self.arrays[(group, layer, name)] = view
+            entries.append(
+                CacheEntry(layer, name, view.ctypes.data, nbytes, stride, self.num_blocks)
+            )
+            offset += nbytes
+        return entries
 
     def fill(self, layers: Sequence[int] | None = None) -> None:
         """Random bytes everywhere (or in the given layers only)."""
@@ -67,6 +86,11 @@ class Caches:
     def clear(self) -> None:
         for array in self.arrays.values():
             array[:] = 0
+
+    def block_address(self, group: int, block: int) -> int:
+        """Where a block's first entry lives (in a block-major group: the whole object)."""
+        first = self.layouts[group].entries[0]
+        return int(self.arrays[(group, first.layer, first.name)][block].ctypes.data)
 
     def block_bytes(self, group: int, block: int, layers: Sequence[int] | None = None) -> bytes:
         """The object a block should become: its entries' bytes in (layer, name) order."""

@@ -111,3 +111,64 @@ def test_local_block_ids_outside_the_tensors_are_refused() -> None:
 
 def test_every_spec_group_is_in_the_model() -> None:
     assert [layout.group_id for layout in Caches(2).layouts] == sorted(SPECS)
+
+
+def test_block_major_objects_are_one_piece_in_place_and_per_layer_ones_are_not() -> None:
+    caches = Caches(num_blocks=4, block_major={0, 1})
+    full, compressed, window = caches.layouts
+    blocks = np.array([0, 3], dtype=np.int64)
+    for layout in (full, compressed):
+        assert layout.contiguous
+        assert layout.whole.sizes == [layout.object_size]
+        addresses = [caches.block_address(layout.group_id, block) for block in (0, 3)]
+        assert layout.whole.pointers(blocks) == [[address] for address in addresses]
+    layer_two = compressed.layer_ranges(2)  # indexer + latent of one layer: one piece
+    assert layer_two is not None
+    assert (layer_two.offsets, layer_two.sizes) == ([576], [136 + 576])
+    assert not window.contiguous  # its own array per entry: a piece per entry
+    assert window.whole.sizes == [256, 1000]
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.sampled_from(["adjoins", "gap", "other stride"])),
+        min_size=1,
+        max_size=12,
+    ),
+    st.lists(st.integers(0, 9), min_size=1, max_size=4),
+)
+def test_merged_pieces_put_every_object_byte_where_its_entry_keeps_it(
+    specs: list[tuple[int, str]], block_list: list[int]
+) -> None:
+    """Oracle: each entry alone maps object offset o + i to its block's address + i."""
+    stride = 64 * len(specs) + 512
+    entries, base = [], 4096
+    for index, (size, placement) in enumerate(specs):
+        if index and placement != "adjoins":
+            base += 8  # not where the previous entry ends
+        own_stride = stride + 64 if placement == "other stride" else stride
+        entries.append(CacheEntry(0, f"e{index:02d}", base, size, own_stride))
+        base += size
+    layout = GroupLayout(3, entries)
+    blocks = np.array(block_list, dtype=np.int64)
+    expected = {
+        (block, layout.offset_of(index) + i): entry.base_ptr + block * entry.block_stride + i
+        for index, entry in enumerate(layout.entries)
+        for block in block_list
+        for i in range(entry.block_bytes)
+    }
+    whole = layout.whole
+    got = {
+        (block, offset + i): pointer + i
+        for block, pointers in zip(block_list, whole.pointers(blocks), strict=True)
+        for offset, size, pointer in zip(whole.offsets, whole.sizes, pointers, strict=True)
+        for i in range(size)
+    }
+    assert got == expected
+    breaks = sum(  # an entry starts a new piece unless it adjoins one of the same stride
+        1
+        for (_, placement), before, entry in zip(specs[1:], entries, entries[1:], strict=False)
+        if placement != "adjoins" or entry.block_stride != before.block_stride
+    )
+    assert len(whole.sizes) == 1 + breaks
+    assert layout.contiguous == (breaks == 0)

@@ -235,3 +235,44 @@ def test_close_drains_every_queued_transfer_and_stops_its_threads(memory: np.nda
     assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
     with pytest.raises(RuntimeError, match="closed"):
         engine.save(saves(1, prefix))
+
+
+@pytest.mark.parametrize("block_major", [False, True], ids=["per-layer", "block-major"])
+@pytest.mark.parametrize("granularity", ["staged", "layer", "group"])
+def test_a_load_never_writes_the_caches_before_its_ready_event(
+    memory: np.ndarray, granularity: Granularity, block_major: bool
+) -> None:
+    """`ready` stands for earlier device work on the blocks (vLLM zeroing them): a staged
+    load may fetch into staging before it, but nothing lands in the caches until it fired.
+    Block-major caches (each object one run of memory) are fetched straight into them."""
+    target = np.zeros((16, LAYERS * BLOCK) if block_major else memory.shape, dtype=np.uint8)
+    if block_major:
+        entries = [
+            CacheEntry(layer, "kv", target[:, layer * BLOCK :].ctypes.data, BLOCK, LAYERS * BLOCK)
+            for layer in range(LAYERS)
+        ]
+        layout = GroupLayout(0, entries)
+        assert layout.contiguous
+    else:
+        layout = deep_layout(target)
+    store = RecordingStore()
+    prefix = unique_prefix()
+    with TransferEngine(store, [deep_layout(memory)]) as engine:
+        assert engine.save(saves(3, prefix)).wait(timeout=10).ok
+    with TransferEngine(store, [layout], PipelineOptions(granularity=granularity)) as reader:
+        gate = GateEvent()
+        step = reader.begin_layerwise(loads=saves(3, prefix), ready=gate)
+        try:
+            assert gate.waited.wait(timeout=10)
+            time.sleep(0.1)
+            assert not target.any()
+        finally:
+            gate.fire()
+        for layer in range(LAYERS):
+            step.wait_layer_loaded(layer)
+        assert step.finish().ok
+    for layer in range(LAYERS):
+        loaded = (
+            target[:3, layer * BLOCK : (layer + 1) * BLOCK] if block_major else target[layer, :3]
+        )
+        assert np.array_equal(loaded, memory[layer, :3])

@@ -50,6 +50,8 @@ def block_lists(draw: st.DrawFn) -> list[int]:
     write_mode=st.sampled_from(["whole", "staged"]),
     read_mode=st.sampled_from(["whole", "staged"]),
     slab_objects=st.sampled_from([1, 3, 8, 1000]),  # staging room, in largest objects
+    source_major=st.sets(st.sampled_from([0, 1, 2])),  # groups moved in place, no staging
+    target_major=st.sets(st.sampled_from([0, 1, 2])),
 )
 def test_staged_copies_match_the_oracle_for_any_block_ids(
     writer: dict[int, list[int]],
@@ -57,9 +59,12 @@ def test_staged_copies_match_the_oracle_for_any_block_ids(
     write_mode: str,
     read_mode: str,
     slab_objects: int,
+    source_major: set[int],
+    target_major: set[int],
 ) -> None:
     store = MemoryStore()
-    source, target = Caches(NUM_BLOCKS, seed=reader_seed), Caches(NUM_BLOCKS)
+    source = Caches(NUM_BLOCKS, seed=reader_seed, block_major=source_major)
+    target = Caches(NUM_BLOCKS, block_major=target_major)
     source.fill()
     staging = slab_objects * max(layout.object_size for layout in source.layouts)
     options = PipelineOptions(granularity="staged", staging_bytes=staging)
@@ -179,6 +184,46 @@ def test_a_batch_larger_than_the_staging_room_moves_in_waves_one_piece_per_key(
         keys = [count for name, count, _ in store.calls if name == operation]
         assert sum(keys) == 21
         assert max(keys) <= 5  # no wave larger than the room (2.5 of the largest objects)
+
+
+class PointerRecordingStore(MemoryStore):
+    """Notes every local address a whole-object call reads or writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointers: list[int] = []
+
+    def batch_put_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
+        self.pointers += [pointer for pieces in ptrs for pointer in pieces]
+        return super().batch_put_whole(keys, ptrs, sizes)
+
+    def batch_get_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
+        self.pointers += [pointer for pieces in ptrs for pointer in pieces]
+        return super().batch_get_whole(keys, ptrs, sizes)
+
+
+@pytest.mark.parametrize(
+    ("write_mode", "read_mode"), list(itertools.product(["whole", "staged"], repeat=2))
+)
+def test_contiguous_objects_move_in_place_one_piece_each_without_staging(
+    write_mode: str, read_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PointerRecordingStore()
+    source = Caches(NUM_BLOCKS, seed=6, block_major={0, 1, 2})
+    target = Caches(NUM_BLOCKS, block_major={0, 1, 2})
+    source.fill()
+    moved = transfers({0: [0, 1, 2], 1: [5, 9], 2: [40, 7, 3]}, prefix=unique_prefix())
+    for caches, mode in ((source, write_mode), (target, read_mode)):
+        with TransferEngine(store, caches.layouts, PipelineOptions()) as engine:
+            monkeypatch.setattr(engine.staging, "allocate", lambda *_: pytest.fail("staged"))
+            store.pointers.clear()
+            assert (save if caches is source else load)(engine, moved, mode).ok
+        expected = [caches.block_address(t.group, t.local_block) for t in moved]
+        assert sorted(store.pointers) == sorted(expected)  # one piece per key, in the caches
+    for transfer in moved:
+        assert target.block_bytes(transfer.group, transfer.local_block) == source.block_bytes(
+            transfer.group, transfer.local_block
+        )
 
 
 def test_objects_that_find_no_staging_room_move_piece_by_piece() -> None:

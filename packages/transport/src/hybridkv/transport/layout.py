@@ -64,19 +64,39 @@ class CacheEntry(msgspec.Struct, frozen=True):
 
 
 class Ranges:
-    """Per-block pieces of a run of entries; pointers are computed from local block ids."""
+    """Per-block pieces of a run of entries; pointers are computed from local block ids.
+
+    Entries that lie back to back in memory for every block (same stride, each starting
+    where the one before ends, as in vLLM's block-outermost layouts) are one piece: a
+    store call moves fewer, larger pieces, and an object whose entries all adjoin is
+    moved in place as one piece.
+    """
 
     __slots__ = ("_bases", "_strides", "nbytes", "offsets", "sizes")
 
     def __init__(self, entries: Sequence[CacheEntry], offsets: Sequence[int]) -> None:
-        self._bases = np.array([entry.base_ptr for entry in entries], dtype=np.int64)
-        self._strides = np.array([entry.block_stride for entry in entries], dtype=np.int64)
-        self.sizes = [entry.block_bytes for entry in entries]
-        self.offsets = list(offsets)
+        bases: list[int] = []
+        strides: list[int] = []
+        self.sizes: list[int] = []
+        self.offsets: list[int] = []
+        for entry, offset in zip(entries, offsets, strict=True):
+            if (
+                self.sizes
+                and entry.block_stride == strides[-1]
+                and entry.base_ptr == bases[-1] + self.sizes[-1]
+            ):
+                self.sizes[-1] += entry.block_bytes
+                continue
+            bases.append(entry.base_ptr)
+            strides.append(entry.block_stride)
+            self.sizes.append(entry.block_bytes)
+            self.offsets.append(offset)
+        self._bases = np.array(bases, dtype=np.int64)
+        self._strides = np.array(strides, dtype=np.int64)
         self.nbytes = sum(self.sizes)
 
     def pointers(self, blocks: BlockIds) -> list[list[int]]:
-        """One list of local addresses per block, in entry order (vectorised)."""
+        """One list of local addresses per block, in piece order (vectorised)."""
         table = self._bases[None, :] + blocks[:, None] * self._strides[None, :]
         rows: list[list[int]] = table.tolist()
         return rows
@@ -122,6 +142,11 @@ class GroupLayout:
     @property
     def object_size(self) -> int:
         return self._offsets[-1]
+
+    @property
+    def contiguous(self) -> bool:
+        """Each block's object is one run of local memory: it moves in place, never staged."""
+        return len(self.whole.sizes) == 1
 
     @property
     def last_layer(self) -> int:

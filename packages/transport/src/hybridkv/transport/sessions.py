@@ -159,7 +159,9 @@ class GroupBatch:
     def stage(self, pool: StagingPool, first: int = 0) -> bool:
         """Give the live rows from `first` on slabs, run after run, as far as the pool has
         room; the rest (maybe nothing) is one unstaged segment at the end. Returns whether
-        any row got a slab."""
+        any row got a slab. Contiguous objects get none: they move in place."""
+        if self.layout.contiguous:
+            return False
         count, width = len(self.keys), self.layout.object_size
         live = self.live()
         live = live[live >= first]
@@ -181,7 +183,7 @@ class GroupBatch:
         return max((seg.stop for seg in self.segments if seg.slab is not None), default=0)
 
     def fully_staged(self) -> bool:
-        """Every live row has a slab."""
+        """Every live row has a slab (or needs none: contiguous objects move in place)."""
         return all(
             segment.slab is not None or not self.alive[segment.start : segment.stop].any()
             for segment in self.segments
@@ -473,8 +475,8 @@ class Transfers:
         return call
 
     def whole_call(self, batches: Iterable[GroupBatch], staged_only: bool = False) -> Call:
-        """Whole objects: one piece per staged key, one piece per entry otherwise
-        (`staged_only`: the staged keys alone)."""
+        """Whole objects: one piece per staged key, one piece per run of adjoining entries
+        otherwise (a contiguous object: one, in place); `staged_only`: the staged keys."""
         call = Call()
         for batch in batches:
             if not batch.segments and not staged_only:
@@ -942,6 +944,8 @@ class LayerwiseStagedReads(StagedReads):
         call = self.whole_call(self.batches.values())
         if not call.keys:
             return
+        if any(batch.layout.contiguous for batch, _ in call.rows):
+            self.caches_writable()  # contiguous objects are fetched straight into the caches
         parts = self.options.split(call.nbytes, call.pieces)
         self._fetch = self.pool.gets.submit(
             self.issue_serially, call, parts, "batch_get_whole", self._get_whole(call)
