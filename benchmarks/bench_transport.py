@@ -1,11 +1,16 @@
 """Transport engine vs raw Mooncake on a DeepSeek-like layout, side by side in one run.
 
 Layout: 61 layers, 3 groups (MLA latent, indexer keys, compressor state), 256 blocks per
-group: one object per (group, block) holding all 61 layers' bytes, each layer in its own
-tensor. The transport moves it layer by layer (put: a layer once "ready", commit per group;
-get: each layer before it is "used") at "staged" granularity (the default: layers copied
-into registered staging memory, one piece per key) and at "layer" granularity (ranged
-put/get sessions, no copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
+group: one object per (group, block) holding all 61 layers' bytes. Two cache layouts, one
+after the other: per-layer tensors (vLLM's layer-outermost layouts, the only one of its CPU
+backend: the transport must lay the bytes out per object) and block-major tensors (vLLM's
+block-outermost layouts, e.g. BLHNC, the only ones its DeepSeek-V4 indexer backend takes:
+a block holds the group's layers back to back, so each object is one run of cache memory
+and moves in place, no copy). The transport moves the objects layer by layer (put: a
+layer once "ready", commit per group; get: each layer before it is "used") at "staged"
+granularity (the default: layers copied into registered staging memory, one piece per
+key; block-major objects in place) and, for per-layer tensors, at "layer" granularity
+(ranged put/get sessions, no copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
 bytes with `batch_put_from` / `batch_get_into` from one contiguous buffer per object (the
 best Mooncake can do, no layout work at all). Same process, then a second process reading
 what the first wrote (objects in a segment holder). `--repeats` passes after a warm-up
@@ -62,23 +67,45 @@ MODES = {
     "whole objects, staged": "whole",
     "layerwise, ranged (layer)": "layer",
 }
+# cache layout -> block-major? Ranged mode is left out for block-major caches: its pieces
+# are one per layer either way.
+LAYOUTS = {
+    "per-layer tensors (vLLM's layer-outermost layouts; the CPU backend's only one)": False,
+    "block-major tensors (vLLM's block-outermost layouts, e.g. BLHNC, which the DeepSeek-V4 "
+    "indexer backend requires): each object is one run of cache memory, moved in place": True,
+}
+
+
+def modes_for(block_major: bool) -> dict[str, str]:
+    return {label: mode for label, mode in MODES.items() if mode != "layer" or not block_major}
 
 
 class Caches:
-    """One worker's KV tensors in numpy memory: [group][layer] -> (blocks, bytes)."""
+    """One worker's KV tensors in numpy memory: [group][layer] -> (blocks, bytes).
 
-    def __init__(self, blocks: int, seed: int | None) -> None:
+    Per-layer: each (group, layer) its own tensor (vLLM's layer-outermost layouts, the
+    CPU backend's only one). Block-major: one tensor per group whose blocks hold all of the
+    group's layers back to back, padded to the largest group's block (vLLM's
+    block-outermost layouts, e.g. BLHNC, the one the DeepSeek-V4 indexer backend requires):
+    each object is then one run of cache memory.
+    """
+
+    def __init__(self, blocks: int, seed: int | None, block_major: bool) -> None:
         rng = np.random.default_rng(seed)
         self.blocks = blocks
-        self.arrays = {
-            (group, layer): (
-                rng.integers(0, 256, size=(blocks, nbytes), dtype=np.uint8)
-                if seed is not None
-                else np.zeros((blocks, nbytes), dtype=np.uint8)
-            )
-            for group, (_, nbytes) in GROUPS.items()
-            for layer in range(LAYERS)
-        }
+        width = max(LAYERS * nbytes for _, nbytes in GROUPS.values())
+        self.arrays: dict[tuple[int, int], np.ndarray] = {}
+        for group, (_, nbytes) in GROUPS.items():
+            memory = np.zeros((blocks, width), dtype=np.uint8) if block_major else None
+            for layer in range(LAYERS):
+                array = (
+                    memory[:, layer * nbytes : (layer + 1) * nbytes]
+                    if memory is not None
+                    else np.zeros((blocks, nbytes), dtype=np.uint8)
+                )
+                if seed is not None:
+                    array[:] = rng.integers(0, 256, size=array.shape, dtype=np.uint8)
+                self.arrays[(group, layer)] = array
         self.layouts = [
             GroupLayout(
                 group,
@@ -88,7 +115,7 @@ class Caches:
                         name,
                         self.arrays[(group, layer)].ctypes.data,
                         nbytes,
-                        nbytes,
+                        self.arrays[(group, layer)].strides[0],
                         num_blocks=blocks,
                     )
                     for layer in range(LAYERS)
@@ -110,6 +137,10 @@ class Caches:
         for group, (_, nbytes) in GROUPS.items():
             for layer in range(LAYERS):
                 flat[group, :, layer * nbytes : (layer + 1) * nbytes] = self.arrays[(group, layer)]
+
+    def clear(self) -> None:
+        for array in self.arrays.values():
+            array[:] = 0
 
     @property
     def nbytes(self) -> int:
@@ -220,19 +251,19 @@ def connect(master: str) -> MooncakeStore:
 
 
 def read_all(
-    master: str, blocks: int, prefixes: dict[str, str], repeats: int
+    master: str, blocks: int, prefixes: dict[str, str], repeats: int, block_major: bool
 ) -> dict[str, list[float]]:
     """Get times per pass (after the warm-up) per mode and raw, of objects another process
     wrote, and each mode's most failed keys in a pass; checks bytes."""
-    expected = Caches(blocks, seed=1)
-    target = Caches(blocks, seed=None)
+    expected = Caches(blocks, seed=1, block_major=block_major)
+    target = Caches(blocks, seed=None, block_major=block_major)
     flat = np.zeros_like(expected.objects())
     client = raw_client(master)
     client.register_buffer(flat.ctypes.data, flat.nbytes)
     store = connect(master)
     times: dict[str, list[float]] = {}
     keys, ptrs, sizes = raw_args(expected, flat, prefixes["raw"])
-    engines = {mode: engine_for(store, target, mode) for mode in MODES.values()}
+    engines = {mode: engine_for(store, target, mode) for mode in modes_for(block_major).values()}
     samples: dict[str, list[float]] = {
         name: [] for mode in engines for name in (mode, f"{mode} first layer")
     }
@@ -253,8 +284,7 @@ def read_all(
                 most[0] = max(most[0], failed)
                 if not failed and not target.same_as(expected):
                     raise RuntimeError(f"transport get ({mode}) returned wrong bytes")
-                for array in target.arrays.values():
-                    array[:] = 0
+                target.clear()
                 samples[mode].append(seconds)
         times.update({name: runs[1:] for name, runs in samples.items()})
     finally:
@@ -262,6 +292,88 @@ def read_all(
             engine.close()
         store.close()
         client.close()
+    return times
+
+
+Samples = dict[str, list[list[float]]]  # name -> per measure, its passes after the warm-up
+
+
+def same_process(
+    master: str, blocks: int, repeats: int, block_major: bool
+) -> tuple[Samples, dict[str, str]]:
+    """Raw and every mode put then get, pass by pass; also the last pass's key prefixes
+    (left in the pool for the cross-process reader)."""
+    source = Caches(blocks, seed=1, block_major=block_major)
+    target = Caches(blocks, seed=None, block_major=block_major)
+    client = raw_client(master)
+    store = connect(master)
+    flat = source.objects()
+    back = np.zeros_like(flat)
+    for buffer in (flat, back):
+        client.register_buffer(buffer.ctypes.data, buffer.nbytes)
+    # One engine per process and memory, as in a deployment: staging is set up
+    # (registered, pages mapped) once, not per transfer.
+    engines = {
+        mode: (engine_for(store, source, mode), engine_for(store, target, mode))
+        for mode in modes_for(block_major).values()
+    }
+    scratch = np.zeros_like(flat)
+    # name -> per pass: (put, get, after the last layer, until the first layer) or, for
+    # raw, (put, get, gather)
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["raw", *engines]}
+    try:
+        for repeat in range(repeats + 1):  # pass 0 warms both paths up
+            keys, ptrs, sizes = raw_args(source, flat, f"raw{repeat}")
+            put_s, codes = timed(client.batch_put_from, keys, ptrs, sizes)
+            checked(codes, "raw put")
+            back_ptrs = [ptr - flat.ctypes.data + back.ctypes.data for ptr in ptrs]
+            get_s, codes = timed(client.batch_get_into, keys, back_ptrs, sizes)
+            checked(codes, "raw get")
+            if not np.array_equal(back, flat):
+                raise RuntimeError("raw round trip returned wrong bytes")
+            gather_s, _ = timed(source.gather_into, scratch)
+            samples["raw"].append((put_s, get_s, gather_s))
+            if repeat < repeats:
+                client.batch_remove(keys, True)
+            for mode, (writer, reader) in rotated(engines, repeat):
+                saves = transfers(f"{mode}{repeat}", blocks)
+                put_s, tail_s = timed(transport_put, writer, saves, mode)
+                get_s, (failed, first_s) = timed(transport_get, reader, saves, mode)
+                if failed:
+                    raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
+                if not target.same_as(source):
+                    raise RuntimeError(f"transport round trip ({mode}): wrong bytes")
+                target.clear()
+                samples[mode].append((put_s, get_s, tail_s, first_s))
+                if repeat < repeats:
+                    client.batch_remove([t.key for t in saves], True)
+    finally:
+        for writer, reader in engines.values():
+            writer.close()
+            reader.close()
+        store.close()
+        client.close()
+    same = {
+        name: [list(column[1:]) for column in zip(*runs, strict=True)]
+        for name, runs in samples.items()
+    }
+    prefixes = {"raw": f"raw{repeats}"}
+    prefixes.update({mode: f"{mode}{repeats}" for mode in engines})
+    return same, prefixes
+
+
+def cross_process(
+    master: str, blocks: int, repeats: int, block_major: bool, prefixes: dict[str, str]
+) -> dict[str, list[float]]:
+    """A second process reads what the first wrote."""
+    command = [sys.executable, __file__, "--reader", master, "--blocks", str(blocks)]
+    command += ["--repeats", str(repeats), "--prefixes", json.dumps(prefixes)]
+    if block_major:
+        command.append("--block-major")
+    child = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    if child.returncode != 0:
+        raise RuntimeError(f"reader process failed:\n{child.stderr[-4000:]}")
+    times: dict[str, list[float]] = json.loads(child.stdout.strip().splitlines()[-1])
     return times
 
 
@@ -291,109 +403,13 @@ def plus(first: list[float], second: list[float]) -> list[float]:
     return [a + b for a, b in zip(first, second, strict=True)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--blocks", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--reader", help=argparse.SUPPRESS)  # master address (child)
-    parser.add_argument("--prefixes", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-    if args.reader:
-        times = read_all(args.reader, args.blocks, json.loads(args.prefixes), args.repeats)
-        print(json.dumps(times))
-        return 0
-
-    source = Caches(args.blocks, seed=1)
-    total = source.nbytes
-    print(
-        f"bench_transport: {LAYERS} layers, {len(GROUPS)} groups, {args.blocks} blocks, "
-        f"{total / 1e6:.0f} MB per pass, median of {args.repeats} after a warm-up pass"
-    )
-    holder_bytes = 4 * total + (256 << 20)
-    with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
-        client = raw_client(master.address)
-        store = connect(master.address)
-        flat = source.objects()
-        back = np.zeros_like(flat)
-        for buffer in (flat, back):
-            client.register_buffer(buffer.ctypes.data, buffer.nbytes)
-        target = Caches(args.blocks, seed=None)
-        # One engine per process and memory, as in a deployment: staging is set up
-        # (registered, pages mapped) once, not per transfer.
-        engines = {
-            mode: (engine_for(store, source, mode), engine_for(store, target, mode))
-            for mode in MODES.values()
-        }
-        scratch = np.zeros_like(flat)
-        # name -> per pass: (put, get, after the last layer, until the first layer) or, for
-        # raw, (put, get, gather)
-        samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["raw", *engines]}
-        try:
-            for repeat in range(args.repeats + 1):  # pass 0 warms both paths up
-                keys, ptrs, sizes = raw_args(source, flat, f"raw{repeat}")
-                put_s, codes = timed(client.batch_put_from, keys, ptrs, sizes)
-                checked(codes, "raw put")
-                back_ptrs = [ptr - flat.ctypes.data + back.ctypes.data for ptr in ptrs]
-                get_s, codes = timed(client.batch_get_into, keys, back_ptrs, sizes)
-                checked(codes, "raw get")
-                if not np.array_equal(back, flat):
-                    raise RuntimeError("raw round trip returned wrong bytes")
-                gather_s, _ = timed(source.gather_into, scratch)
-                samples["raw"].append((put_s, get_s, gather_s))
-                if repeat < args.repeats:
-                    client.batch_remove(keys, True)
-                for mode, (writer, reader) in rotated(engines, repeat):
-                    saves = transfers(f"{mode}{repeat}", args.blocks)
-                    put_s, tail_s = timed(transport_put, writer, saves, mode)
-                    get_s, (failed, first_s) = timed(transport_get, reader, saves, mode)
-                    if failed:
-                        raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
-                    if not target.same_as(source):
-                        raise RuntimeError(f"transport round trip ({mode}): wrong bytes")
-                    for array in target.arrays.values():
-                        array[:] = 0
-                    samples[mode].append((put_s, get_s, tail_s, first_s))
-                    if repeat < args.repeats:
-                        client.batch_remove([t.key for t in saves], True)
-            same = {  # name -> per measure, its passes after the warm-up
-                name: [list(column[1:]) for column in zip(*runs, strict=True)]
-                for name, runs in samples.items()
-            }
-            prefixes = {"raw": f"raw{args.repeats}"}
-            prefixes.update({mode: f"{mode}{args.repeats}" for mode in MODES.values()})
-            child = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--reader",
-                    master.address,
-                    "--blocks",
-                    str(args.blocks),
-                    "--repeats",
-                    str(args.repeats),
-                    "--prefixes",
-                    json.dumps(prefixes),
-                ],
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=600,
-            )
-            if child.returncode != 0:
-                raise RuntimeError(f"reader process failed:\n{child.stderr[-4000:]}")
-            cross = json.loads(child.stdout.strip().splitlines()[-1])
-        finally:
-            for writer, reader in engines.values():
-                writer.close()
-                reader.close()
-            store.close()
-            client.close()
-
+def report(
+    same: Samples, cross: dict[str, list[float]], block_major: bool, total: int, blocks: int
+) -> None:
     raw_put, raw_get, gather = same["raw"]
+    modes = modes_for(block_major)
     print("same process (put, then get into other memory):")
-    for label, mode in MODES.items():
+    for label, mode in modes.items():
         put_s, get_s, tail_s, first_s = same[mode]
         print(ratio_line(f"{label}: put", raw_put, put_s, total))
         if mode != "whole":
@@ -404,19 +420,55 @@ def main() -> int:
         print(
             ratio_line(f"{label}: put+get", plus(raw_put, raw_get), plus(put_s, get_s), 2 * total)
         )
-    print(
-        f"serial reference: raw + one numpy copy of the same bytes between per-layer tensors "
-        f"and per-block objects ({statistics.median(gather) * 1e3:.0f} ms) = put "
-        f"{paired(raw_put, plus(raw_put, gather))}, get {paired(raw_get, plus(raw_get, gather))}"
-    )
+    if not block_major:
+        print(
+            f"serial reference: raw + one numpy copy of the same bytes between per-layer "
+            f"tensors and per-block objects ({statistics.median(gather) * 1e3:.0f} ms) = put "
+            f"{paired(raw_put, plus(raw_put, gather))}, get "
+            f"{paired(raw_get, plus(raw_get, gather))}"
+        )
     print("cross process (a second process reads what this one wrote):")
-    for label, mode in MODES.items():
+    for label, mode in modes.items():
         [failed] = cross[f"{mode} failed keys"]
-        note = f"  ({failed} of {len(GROUPS) * args.blocks} keys FAILED)" if failed else ""
+        note = f"  ({failed} of {len(GROUPS) * blocks} keys FAILED)" if failed else ""
         print(ratio_line(f"{label}: get", cross["raw"], cross[mode], total) + note)
         if mode != "whole":
             first = cross[f"{mode} first layer"]
             print(wait_line(f"{label}: get until layer 0", cross["raw"], first))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reader", help=argparse.SUPPRESS)  # master address (child)
+    parser.add_argument("--prefixes", help=argparse.SUPPRESS)
+    parser.add_argument("--block-major", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    if args.reader:
+        prefixes = json.loads(args.prefixes)
+        times = read_all(args.reader, args.blocks, prefixes, args.repeats, args.block_major)
+        print(json.dumps(times))
+        return 0
+
+    total = Caches(args.blocks, seed=None, block_major=False).nbytes
+    print(
+        f"bench_transport: {LAYERS} layers, {len(GROUPS)} groups, {args.blocks} blocks, "
+        f"{total / 1e6:.0f} MB per pass, median of {args.repeats} after a warm-up pass"
+    )
+    holder_bytes = 4 * total + (256 << 20)
+    with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
+        for label, block_major in LAYOUTS.items():
+            same, prefixes = same_process(master.address, args.blocks, args.repeats, block_major)
+            cross = cross_process(master.address, args.blocks, args.repeats, block_major, prefixes)
+            cleaner = raw_client(master.address)  # room in the holder for the next layout
+            left = [t.key for prefix in prefixes.values() for t in transfers(prefix, args.blocks)]
+            cleaner.batch_remove(left, True)
+            cleaner.close()
+            print(f"\n{label}:")
+            report(same, cross, block_major, total, args.blocks)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +17,14 @@ from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTra
 from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
-from hybridkv.transport import CpuEvent, GroupLayout, MemoryStore, Status, TransferEngine
+from hybridkv.transport import (
+    BlockTransfer,
+    CpuEvent,
+    GroupLayout,
+    MemoryStore,
+    Status,
+    TransferEngine,
+)
 
 torch = pytest.importorskip("torch")
 NUM_BLOCKS = 8
@@ -87,6 +95,87 @@ def test_layout_entries_from_tensors() -> None:
     assert [e.name for e in split] == ["kv#k", "kv#v"]
     with pytest.raises(ValueError, match="num_blocks first"):
         tensor_entries(3, "bad", torch.zeros(3, 5), NUM_BLOCKS)
+
+
+def _vllm_allocation(kv_groups: list[Any], layout_name: str) -> dict[str, Any]:
+    """vLLM's own KV cache config and per-layer views for a layout, on the CPU."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    layout = KVCacheLayout[layout_name]
+    cache_config = SimpleNamespace(  # the fields the config builder reads
+        get_resolved_kv_cache_layout=lambda: layout,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        prefix_cache_retention_interval=None,
+    )
+    vllm_config = SimpleNamespace(
+        cache_config=cache_config, attention_config=SimpleNamespace(hisparse_config=None)
+    )
+    config = get_kv_cache_config_from_groups(vllm_config, kv_groups, 64 << 20)
+    assert config.num_blocks == NUM_BLOCKS
+    caches: dict[str, Any] = allocate_kv_cache(config, torch.device("cpu"), layout)
+    return caches
+
+
+@pytest.mark.parametrize("layout_name", ["BLHNC", "LBHNC"])
+def test_vllm_block_outermost_caches_store_each_object_in_place_and_the_same_bytes(
+    vllm_specs: Any, layout_name: str
+) -> None:
+    """Block-outermost layouts (BLHNC: GPU backends, the DeepSeek-V4 indexer) put a group's
+    layers of one block back to back: every object is one run of cache memory, moved in
+    place. An instance with either layout stores the same objects and reads the other's."""
+    layer_index = {f"model.layers.{layer}.attn": layer for layer in range(4)}
+    kv_groups = groups(
+        vllm_specs,
+        (["model.layers.0.attn", "model.layers.2.attn"], attention(vllm_specs)),
+        (["model.layers.1.attn", "model.layers.3.attn"], attention(vllm_specs, window=64)),
+    )
+    keys = KeySpace(plan_groups(kv_groups, [0, 1], ModelShape(1, 2)), "tiny")
+    written = {0: [1, 2], 1: [5, 6]}  # groups alias the same memory: distinct block ids
+    caches = {name: _vllm_allocation(kv_groups, name) for name in {layout_name, "LBHNC"}}
+    layouts = {
+        name: build_layouts(keys, tensors, layer_index, NUM_BLOCKS)
+        for name, tensors in caches.items()
+    }
+    assert all(layout.contiguous for layout in layouts[layout_name]) == (layout_name == "BLHNC")
+    generator = torch.Generator().manual_seed(3)
+    for group, plan in enumerate(keys.plan.groups):
+        for name in plan.layer_names:
+            logical = torch.randn(caches["LBHNC"][name].shape, generator=generator)
+            for tensors in caches.values():
+                tensors[name][written[group]] = logical[written[group]]
+    store = MemoryStore()
+    saves = {
+        name: [
+            BlockTransfer(f"{name}-{group}-{block}", group, block, "r", block)
+            for group, blocks in written.items()
+            for block in blocks
+        ]
+        for name in caches
+    }
+    for name, layout in layouts.items():
+        with TransferEngine(store, layout) as engine:
+            assert engine.save(saves[name]).wait(timeout=30).ok
+    for transfer in saves[layout_name]:  # the same object whatever the layout
+        size = layouts["LBHNC"][transfer.group].object_size
+        objects = [_stored(store, f"{name}-{transfer.group}-{transfer.local_block}", size)
+                   for name in caches]  # fmt: skip
+        assert objects[0] == objects[-1]
+    target = _vllm_allocation(kv_groups, "LBHNC")  # a per-layer instance reads them
+    with TransferEngine(store, build_layouts(keys, target, layer_index, NUM_BLOCKS)) as engine:
+        assert engine.load(saves[layout_name]).wait(timeout=30).ok
+    for group, plan in enumerate(keys.plan.groups):
+        for name in plan.layer_names:
+            rows = written[group]
+            assert torch.equal(target[name][rows], caches[layout_name][name][rows])
+
+
+def _stored(store: MemoryStore, key: str, size: int) -> bytes:
+    flat = torch.zeros(size, dtype=torch.uint8)
+    [status] = store.batch_get_whole([key], [[flat.data_ptr()]], [[size]])
+    assert status.ok, status
+    return flat.numpy().tobytes()
 
 
 def _refs(pairs: list[tuple[int, int, int]]) -> list[BlockRef]:

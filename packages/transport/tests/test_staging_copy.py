@@ -112,12 +112,17 @@ class PriorityRecordingStore(MemoryStore):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("block_major", [(), (0, 1, 2)], ids=["staged", "in-place"])
 @pytest.mark.parametrize("mode", ["whole", "staged"])
-def test_staged_store_calls_run_below_the_callers_priority(mode: str) -> None:
-    """Mooncake's calls spin while they wait: they must not outrank the staging copies."""
+def test_staged_store_calls_run_below_the_callers_priority(
+    mode: str, block_major: tuple[int, ...]
+) -> None:
+    """Mooncake's calls spin while they wait: they must not outrank the staging copies,
+    nor, for objects moved in place, Mooncake's own transfer threads."""
     caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     store = PriorityRecordingStore()
-    source, target = Caches(8, seed=1), Caches(8)
+    source = Caches(8, seed=1, block_major=block_major)
+    target = Caches(8, block_major=block_major)
     source.fill()
     options = PipelineOptions(granularity="staged")
     saves = transfers({0: [0, 1], 1: [2], 2: [3]}, prefix=unique_prefix())

@@ -194,6 +194,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = get_tensor_model_parallel_rank()
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
+        logger.info(
+            "hybridkv: %d of %d groups hold each block's object in one run of cache memory "
+            "(block-outermost layout: moved in place, one piece per key, no staging copy)",
+            sum(layout.contiguous for layout in layouts),
+            len(layouts),
+        )
         self._pool = open_pool(self.config, self._instance, tp_rank)
         device = self._vllm_config.device_config.device_type
         options = self.config.pipeline_options(device)

@@ -734,11 +734,15 @@ class Reads(Transfers, ABC):
         """Read the call's keys (`after`: copy each part out of staging once it is in)."""
         if not call.keys:
             return
-        if after is None:
-            parts = self.options.split(call.nbytes, call.pieces)
-            self.fail(self.issue_serially(call, parts, operation, send))
-        else:
+        if after is not None:
             self.fail(self.issue(call, operation, send, after=after))
+            return
+        parts = self.options.split(call.nbytes, call.pieces)
+        if self.pool is None:
+            self.fail(self.issue_serially(call, parts, operation, send))
+        else:  # on the pool's get thread: its spin must not outrank Mooncake's own threads
+            done = self.pool.gets.submit(self.issue_serially, call, parts, operation, send)
+            self.fail(done.result())
 
 
 class RangedReads(Reads):
