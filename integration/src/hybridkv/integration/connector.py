@@ -24,6 +24,7 @@ from hybridkv.integration.config import ConnectorConfig, parse_extra_config
 from hybridkv.integration.events import EventBuilder, PoolAnnouncer, StoredEvents
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.logs import follow_vllm_logging
 from hybridkv.integration.lookup import (
     LOOPBACK,
     LookupClient,
@@ -89,6 +90,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        follow_vllm_logging()
         if kv_cache_config is None:
             raise ValueError("HybridKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         super().__init__(vllm_config, role, kv_cache_config)
@@ -194,15 +196,18 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = get_tensor_model_parallel_rank()
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
-        logger.info(
-            "hybridkv: %d of %d groups hold each block's object in one run of cache memory "
-            "(block-outermost layout: moved in place, one piece per key, no staging copy)",
-            sum(layout.contiguous for layout in layouts),
-            len(layouts),
-        )
         self._pool = open_pool(self.config, self._instance, tp_rank)
         device = self._vllm_config.device_config.device_type
         options = self.config.pipeline_options(device)
+        logger.info(
+            "hybridkv: TP rank %d moves %d KV cache groups %s at granularity %r; %d of them "
+            "in place (block-outermost caches: one run of memory per object, no copy)",
+            tp_rank,
+            len(layouts),
+            "layer by layer" if self.config.use_layerwise else "as whole blocks",
+            options.granularity,
+            sum(layout.contiguous for layout in layouts),
+        )
         engine = TransferEngine(self._pool.store, layouts, options, device)
         self._worker = WorkerSide(
             self.keys,
