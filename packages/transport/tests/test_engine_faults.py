@@ -86,16 +86,18 @@ def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
     assert_clean(store, outstanding)
 
 
+@pytest.mark.parametrize("block_major", [(), (0, 1, 2)], ids=["per-layer", "in-place"])
 @pytest.mark.parametrize("mode", ["layer", "group", "staged"])
 def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
-    mode: str, monkeypatch: pytest.MonkeyPatch
+    mode: str, block_major: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Staged calls cut into one part per key: the broken key's part sits between good ones.
     monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
     monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
     store = MemoryStore()
     prefix = unique_prefix()
-    source, target = Caches(num_blocks=8, seed=14), Caches(num_blocks=8, seed=15)
+    source = Caches(num_blocks=8, seed=14)
+    target = Caches(num_blocks=8, seed=15, block_major=block_major)
     source.fill()
     with engine_for(store, source, "whole") as writer:
         assert save(writer, transfers(BLOCKS, prefix=prefix), "whole").ok
@@ -124,14 +126,15 @@ def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
     assert_clean(store, outstanding)
 
 
+@pytest.mark.parametrize("block_major", [(), (0, 1, 2)], ids=["per-layer", "in-place"])
 def test_a_staged_put_failing_in_one_part_drops_only_its_key(
-    monkeypatch: pytest.MonkeyPatch,
+    block_major: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
     monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
     store = MemoryStore()
     prefix = unique_prefix()
-    source = Caches(num_blocks=8, seed=16)
+    source = Caches(num_blocks=8, seed=16, block_major=block_major)
     source.fill()
     saves = transfers(BLOCKS, prefix=prefix)
     broken = saves[2]  # group 1, between good keys of the same call
@@ -245,15 +248,23 @@ def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
         reader_store.close()
 
 
-@pytest.mark.parametrize("mode", ["staged", "layer"])
+@pytest.mark.parametrize(
+    ("mode", "block_major"),
+    [("staged", ()), ("staged", (0, 1, 2)), ("layer", ())],
+    ids=["staged", "staged-in-place", "layer"],
+)
 def test_a_segment_holder_killed_mid_step_fails_blocks_and_leaves_nothing_partial(
-    start_mooncake_master: StartMaster, start_segment_holder: StartHolder, mode: str
+    start_mooncake_master: StartMaster,
+    start_segment_holder: StartHolder,
+    mode: str,
+    block_major: tuple[int, ...],
 ) -> None:
     """The process lending the pool's memory dies while a step saves and another loads."""
     master = start_mooncake_master()
     holder = start_segment_holder(master.address)
     prefix = unique_prefix()
-    source, target = Caches(num_blocks=8, seed=20), Caches(num_blocks=8, seed=21)
+    source = Caches(num_blocks=8, seed=20, block_major=block_major)
+    target = Caches(num_blocks=8, seed=21, block_major=block_major)
     source.fill()
     # Lend nothing: every object lives in the holder, as in a deployment.
     store = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
@@ -318,16 +329,21 @@ def test_a_ranged_load_outliving_the_masters_lease_still_reads_every_layer(
         store.close()
 
 
-@pytest.mark.parametrize("mode", ["staged", "layer"])
+@pytest.mark.parametrize(
+    ("mode", "block_major"),
+    [("staged", ()), ("staged", (0, 1, 2)), ("layer", ())],
+    ids=["staged", "staged-in-place", "layer"],
+)
 def test_a_master_killed_mid_step_fails_fast_then_the_engine_recovers_on_restart(
-    start_mooncake_master: StartMaster, mode: str
+    start_mooncake_master: StartMaster, mode: str, block_major: tuple[int, ...]
 ) -> None:
     """The master dies while a step saves and another loads: both finish in bounded time
     with every key failed (nothing committed, no counter leaked); once a master is back on
     the same address, the same engine saves and loads again."""
     master = start_mooncake_master()
     prefix = unique_prefix()
-    source, target = Caches(num_blocks=8, seed=24), Caches(num_blocks=8, seed=25)
+    source = Caches(num_blocks=8, seed=24, block_major=block_major)
+    target = Caches(num_blocks=8, seed=25, block_major=block_major)
     source.fill()
     store = MooncakeStore.connect(mooncake_config(master.address))
     try:
