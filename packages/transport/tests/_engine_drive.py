@@ -6,7 +6,8 @@ import uuid
 from collections.abc import Sequence
 
 import numpy as np
-from _engine_model import NUM_LAYERS, Caches
+import pytest
+from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches
 
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.events import CpuEvent
@@ -18,6 +19,10 @@ from hybridkv.transport.store import Store
 # "whole": save()/load() (default, staged); "staged"/"layer"/"group": layerwise steps at
 # that granularity.
 MODES = ("whole", "staged", "layer", "group")
+# Caches as per-layer tensors, or every group block-major (its objects moved in place).
+PER_LAYER_OR_IN_PLACE = pytest.mark.parametrize(
+    "block_major", [(), ALL_GROUPS], ids=["per-layer", "in-place"]
+)
 
 
 def unique_prefix() -> str:

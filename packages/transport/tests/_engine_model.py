@@ -31,6 +31,7 @@ SPECS: dict[int, list[tuple[int, str, int, int]]] = {
 }
 NUM_LAYERS = 4
 BLOCK_PADDING = 40  # after each block of a block-major group
+ALL_GROUPS = tuple(SPECS)
 
 
 class Caches:

@@ -8,8 +8,16 @@ import time
 from collections.abc import Sequence
 
 import pytest
-from _engine_drive import LayerCheck, engine_for, load, read_object, save, unique_prefix
-from _engine_model import NUM_LAYERS, Caches, transfers
+from _engine_drive import (
+    PER_LAYER_OR_IN_PLACE,
+    LayerCheck,
+    engine_for,
+    load,
+    read_object,
+    save,
+    unique_prefix,
+)
+from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingOpenStore, fail_at_call
 
 from hybridkv.transport import BlockTransfer, sessions
@@ -21,6 +29,11 @@ from hybridkv.transport.store import Pointers, Sizes
 from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
 BLOCKS = {0: [0, 1], 1: [2, 3], 2: [4]}
+STAGED_OR_IN_PLACE_OR_LAYER = pytest.mark.parametrize(
+    ("mode", "block_major"),
+    [("staged", ()), ("staged", ALL_GROUPS), ("layer", ())],
+    ids=["staged", "staged-in-place", "layer"],
+)
 
 
 def assert_clean(store: MemoryStore, engine_outstanding: int) -> None:
@@ -86,7 +99,7 @@ def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
     assert_clean(store, outstanding)
 
 
-@pytest.mark.parametrize("block_major", [(), (0, 1, 2)], ids=["per-layer", "in-place"])
+@PER_LAYER_OR_IN_PLACE
 @pytest.mark.parametrize("mode", ["layer", "group", "staged"])
 def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
     mode: str, block_major: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
@@ -126,7 +139,7 @@ def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
     assert_clean(store, outstanding)
 
 
-@pytest.mark.parametrize("block_major", [(), (0, 1, 2)], ids=["per-layer", "in-place"])
+@PER_LAYER_OR_IN_PLACE
 def test_a_staged_put_failing_in_one_part_drops_only_its_key(
     block_major: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,11 +261,7 @@ def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
         reader_store.close()
 
 
-@pytest.mark.parametrize(
-    ("mode", "block_major"),
-    [("staged", ()), ("staged", (0, 1, 2)), ("layer", ())],
-    ids=["staged", "staged-in-place", "layer"],
-)
+@STAGED_OR_IN_PLACE_OR_LAYER
 def test_a_segment_holder_killed_mid_step_fails_blocks_and_leaves_nothing_partial(
     start_mooncake_master: StartMaster,
     start_segment_holder: StartHolder,
@@ -329,11 +338,7 @@ def test_a_ranged_load_outliving_the_masters_lease_still_reads_every_layer(
         store.close()
 
 
-@pytest.mark.parametrize(
-    ("mode", "block_major"),
-    [("staged", ()), ("staged", (0, 1, 2)), ("layer", ())],
-    ids=["staged", "staged-in-place", "layer"],
-)
+@STAGED_OR_IN_PLACE_OR_LAYER
 def test_a_master_killed_mid_step_fails_fast_then_the_engine_recovers_on_restart(
     start_mooncake_master: StartMaster, mode: str, block_major: tuple[int, ...]
 ) -> None:

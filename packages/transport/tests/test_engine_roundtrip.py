@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save, unique_prefix
-from _engine_model import Caches, transfers
+from _engine_model import ALL_GROUPS, Caches, transfers
 
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.layout import CacheEntry, GroupLayout
@@ -55,9 +55,6 @@ def test_staging_smaller_than_the_batch_round_trips_in_waves(
 ) -> None:
     largest = max(layout.object_size for layout in Caches(num_blocks=8).layouts)
     round_trip(store, reader_store, write_mode, read_mode, staging_bytes=largest * 5 // 2)
-
-
-ALL_GROUPS = (0, 1, 2)
 
 
 @pytest.mark.parametrize(

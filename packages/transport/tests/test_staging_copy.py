@@ -13,8 +13,8 @@ import threading
 from typing import Any
 
 import pytest
-from _engine_drive import load, read_object, save, unique_prefix
-from _engine_model import Caches, transfers
+from _engine_drive import PER_LAYER_OR_IN_PLACE, load, read_object, save, unique_prefix
+from _engine_model import ALL_GROUPS, Caches, transfers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,27 +92,32 @@ def test_staged_copies_match_the_oracle_for_any_block_ids(
             )
 
 
-class PriorityRecordingStore(MemoryStore):
-    """Notes the niceness of the thread making each whole-object call."""
+class CallRecordingStore(MemoryStore):
+    """Notes each whole-object call: (operation, keys, most pieces of one key), every
+    local address it reads or writes, and the niceness of the thread making it."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.calls: list[tuple[str, int, int]] = []
+        self.pointers: list[int] = []
         self.niceness: list[int] = []
 
-    def _note(self) -> None:
+    def _note(self, operation: str, keys: Any, ptrs: Any) -> None:
+        self.calls.append((operation, len(keys), max(map(len, ptrs))))
+        self.pointers += [pointer for pieces in ptrs for pointer in pieces]
         self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
-    def batch_put_whole(self, *args: Any) -> list[Status]:
-        self._note()
-        return super().batch_put_whole(*args)
+    def batch_put_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
+        self._note("put", keys, ptrs)
+        return super().batch_put_whole(keys, ptrs, sizes)
 
-    def batch_get_whole(self, *args: Any) -> list[Status]:
-        self._note()
-        return super().batch_get_whole(*args)
+    def batch_get_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
+        self._note("get", keys, ptrs)
+        return super().batch_get_whole(keys, ptrs, sizes)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
-@pytest.mark.parametrize("block_major", [(), (0, 1, 2)], ids=["staged", "in-place"])
+@PER_LAYER_OR_IN_PLACE
 @pytest.mark.parametrize("mode", ["whole", "staged"])
 def test_staged_store_calls_run_below_the_callers_priority(
     mode: str, block_major: tuple[int, ...]
@@ -120,7 +125,7 @@ def test_staged_store_calls_run_below_the_callers_priority(
     """Mooncake's calls spin while they wait: they must not outrank the staging copies,
     nor, for objects moved in place, Mooncake's own transfer threads."""
     caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    store = PriorityRecordingStore()
+    store = CallRecordingStore()
     source = Caches(8, seed=1, block_major=block_major)
     target = Caches(8, block_major=block_major)
     source.fill()
@@ -133,22 +138,6 @@ def test_staged_store_calls_run_below_the_callers_priority(
     assert len(store.niceness) >= 2
     assert all(nice == min(19, caller + STORE_CALL_NICENESS) for nice in store.niceness)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
-
-
-class PieceRecordingStore(MemoryStore):
-    """Notes (operation, keys, most pieces of one key) of each whole-object call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, int, int]] = []
-
-    def batch_put_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
-        self.calls.append(("put", len(keys), max(map(len, ptrs))))
-        return super().batch_put_whole(keys, ptrs, sizes)
-
-    def batch_get_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
-        self.calls.append(("get", len(keys), max(map(len, ptrs))))
-        return super().batch_get_whole(keys, ptrs, sizes)
 
 
 def round_trip(store: MemoryStore, options: PipelineOptions, write_mode: str, read_mode: str,
@@ -180,7 +169,7 @@ def round_trip(store: MemoryStore, options: PipelineOptions, write_mode: str, re
 def test_a_batch_larger_than_the_staging_room_moves_in_waves_one_piece_per_key(
     write_mode: str, read_mode: str
 ) -> None:
-    store = PieceRecordingStore()
+    store = CallRecordingStore()
     largest = max(layout.object_size for layout in Caches(NUM_BLOCKS).layouts)
     options = PipelineOptions(granularity="staged", staging_bytes=largest * 5 // 2)
     round_trip(store, options, write_mode, read_mode)
@@ -191,31 +180,15 @@ def test_a_batch_larger_than_the_staging_room_moves_in_waves_one_piece_per_key(
         assert max(keys) <= 5  # no wave larger than the room (2.5 of the largest objects)
 
 
-class PointerRecordingStore(MemoryStore):
-    """Notes every local address a whole-object call reads or writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pointers: list[int] = []
-
-    def batch_put_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
-        self.pointers += [pointer for pieces in ptrs for pointer in pieces]
-        return super().batch_put_whole(keys, ptrs, sizes)
-
-    def batch_get_whole(self, keys: Any, ptrs: Any, sizes: Any) -> list[Status]:
-        self.pointers += [pointer for pieces in ptrs for pointer in pieces]
-        return super().batch_get_whole(keys, ptrs, sizes)
-
-
 @pytest.mark.parametrize(
     ("write_mode", "read_mode"), list(itertools.product(["whole", "staged"], repeat=2))
 )
 def test_contiguous_objects_move_in_place_one_piece_each_without_staging(
     write_mode: str, read_mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = PointerRecordingStore()
-    source = Caches(NUM_BLOCKS, seed=6, block_major={0, 1, 2})
-    target = Caches(NUM_BLOCKS, block_major={0, 1, 2})
+    store = CallRecordingStore()
+    source = Caches(NUM_BLOCKS, seed=6, block_major=ALL_GROUPS)
+    target = Caches(NUM_BLOCKS, block_major=ALL_GROUPS)
     source.fill()
     moved = transfers({0: [0, 1, 2], 1: [5, 9], 2: [40, 7, 3]}, prefix=unique_prefix())
     for caches, mode in ((source, write_mode), (target, read_mode)):
@@ -232,7 +205,7 @@ def test_contiguous_objects_move_in_place_one_piece_each_without_staging(
 
 
 def test_objects_that_find_no_staging_room_move_piece_by_piece() -> None:
-    store = PieceRecordingStore()
+    store = CallRecordingStore()
     round_trip(store, PipelineOptions(granularity="staged"), "staged", "staged", hold_pool=True)
     assert store.calls
     assert min(pieces for _, _, pieces in store.calls) > 1  # one piece per cache entry
