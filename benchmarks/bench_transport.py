@@ -142,10 +142,6 @@ class Caches:
         for array in self.arrays.values():
             array[:] = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(array.nbytes for array in self.arrays.values())
-
     def same_as(self, other: Caches) -> bool:
         return all(np.array_equal(self.arrays[k], other.arrays[k]) for k in self.arrays)
 
@@ -453,7 +449,7 @@ def main() -> int:
         print(json.dumps(times))
         return 0
 
-    total = Caches(args.blocks, seed=None, block_major=False).nbytes
+    total = args.blocks * LAYERS * sum(nbytes for _, nbytes in GROUPS.values())
     print(
         f"bench_transport: {LAYERS} layers, {len(GROUPS)} groups, {args.blocks} blocks, "
         f"{total / 1e6:.0f} MB per pass, median of {args.repeats} after a warm-up pass"

@@ -948,7 +948,7 @@ class LayerwiseStagedReads(StagedReads):
         call = self.whole_call(self.batches.values())
         if not call.keys:
             return
-        if any(batch.layout.contiguous for batch, _ in call.rows):
+        if any(batch.layout.contiguous and batch.alive.any() for batch in self.batches.values()):
             self.caches_writable()  # contiguous objects are fetched straight into the caches
         parts = self.options.split(call.nbytes, call.pieces)
         self._fetch = self.pool.gets.submit(
