@@ -66,6 +66,7 @@ MODES = {
     "layerwise, staged (default)": "staged",
     "whole objects, staged": "whole",
     "layerwise, ranged (layer)": "layer",
+    "layerwise, multi-buffer (group)": "group",
 }
 # cache layout -> block-major? Ranged mode is left out for block-major caches: its pieces
 # are one per layer either way.
@@ -454,7 +455,7 @@ def main() -> int:
         f"bench_transport: {LAYERS} layers, {len(GROUPS)} groups, {args.blocks} blocks, "
         f"{total / 1e6:.0f} MB per pass, median of {args.repeats} after a warm-up pass"
     )
-    holder_bytes = 4 * total + (256 << 20)
+    holder_bytes = (len(MODES) + 1) * total + (256 << 20)  # each mode's objects and raw's
     with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
         for label, block_major in LAYOUTS.items():
             same, prefixes = same_process(master.address, args.blocks, args.repeats, block_major)

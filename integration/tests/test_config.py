@@ -36,6 +36,7 @@ def test_every_key_is_accepted() -> None:
             "backend": "mooncake",
             "store": "memory",
             "staging_bytes": "64MB",
+            "granularity": "group",
         }
     )
     assert config.layerwise_prefetch_layers == 3
@@ -64,11 +65,46 @@ def test_every_key_is_accepted() -> None:
         ({"namespace": "a@b"}, "namespace"),
         ({"staging_bytes": -1}, "staging_bytes"),
         ({"staging_bytes": "lots"}, "staging_bytes"),
+        ({"granularity": "bytes"}, "granularity"),
     ],
 )
 def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         parse_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    ("extra", "device", "rdma", "contiguous", "expected"),
+    [
+        # host caches: one piece per object through staging (or in place)
+        ({}, "cpu", False, False, "staged"),
+        ({"use_layerwise": True}, "cpu", True, True, "staged"),
+        # device caches, layerwise: the layer overlap where pieces are cheap or many anyway
+        ({"use_layerwise": True}, "cuda:0", True, False, "layer"),
+        ({"use_layerwise": True}, "npu", False, False, "layer"),
+        ({"use_layerwise": True}, "cuda:0", True, True, "layer"),
+        # ... one piece per object over TCP when every object is one run of memory
+        ({"use_layerwise": True}, "cuda:0", False, True, "group"),
+        # device caches, whole blocks: nothing to overlap, fewest calls
+        ({}, "cuda:0", True, False, "group"),
+        ({}, "npu", False, True, "group"),
+        # set explicitly: taken as is (layer and group also run on host caches)
+        ({"granularity": "layer"}, "cpu", False, True, "layer"),
+        ({"granularity": "group", "use_layerwise": True}, "cuda", True, False, "group"),
+        ({"granularity": "staged"}, "cpu", False, False, "staged"),
+    ],
+)
+def test_auto_granularity_follows_device_protocol_and_layout(
+    extra: dict[str, object], device: str, rdma: bool, contiguous: bool, expected: str
+) -> None:
+    config = parse_extra_config(extra)
+    assert config.pipeline_options(device, rdma, contiguous).granularity == expected
+
+
+def test_staged_granularity_is_refused_for_device_caches() -> None:
+    config = parse_extra_config({"granularity": "staged"})
+    with pytest.raises(ValueError, match=r"granularity 'staged'.*'cuda:0'"):
+        config.pipeline_options("cuda:0")
 
 
 def test_ascend_store_connector_config_carries_over() -> None:
@@ -99,10 +135,7 @@ def test_ascend_store_connector_config_carries_over() -> None:
     assert (options.prefetch_layers, options.max_transfer_blocks) == (1, 4)
     assert options.backlog == 8
     assert parse_extra_config({"_layerwise_backlog": 0}).pipeline_options("cpu").backlog == 0
-    # host caches are staged (one piece per object); device caches move by layer ranges
     assert options.granularity == "staged"
-    assert config.pipeline_options("cuda:0").granularity == "layer"
-    assert config.pipeline_options("npu").granularity == "layer"
     consumer = parse_extra_config({})
     assert not consumer.saves_for("kv_consumer")
     assert not consumer.loads_for("kv_consumer")

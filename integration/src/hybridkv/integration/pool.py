@@ -47,6 +47,8 @@ class Pool:
     store: Store
     master: MasterProcess | None = None
     files: list[Path] = field(default_factory=list)
+    # Pieces are cheap over RDMA (they cost ~25 us each over TCP): see `granularity_for`.
+    rdma: bool = False
 
     def close(self) -> None:
         if not isinstance(self.store, MemoryStore):
@@ -73,7 +75,7 @@ def open_pool(config: ConnectorConfig, instance: str, tp_rank: int) -> Pool:
         return Pool(process_memory_store())
     mooncake = mooncake_config_from_env()
     if mooncake is not None:
-        return Pool(MooncakeStore.connect(mooncake))
+        return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
     path = master_rendezvous(instance)
     if tp_rank != 0:
         address = _wait_for_master(path)
