@@ -38,6 +38,18 @@ def deep_layout(memory: np.ndarray) -> GroupLayout:
     )
 
 
+def block_major_layout(memory: np.ndarray) -> GroupLayout:
+    """The same group over [block][layer] memory: each object is one run of it."""
+    stride = LAYERS * BLOCK
+    return GroupLayout(
+        0,
+        [
+            CacheEntry(layer, "kv", memory[0, layer].ctypes.data, BLOCK, stride, num_blocks=16)
+            for layer in range(LAYERS)
+        ],
+    )
+
+
 def saves(count: int, prefix: str) -> list[BlockTransfer]:
     return [BlockTransfer(f"{prefix}-{i}", 0, i, prefix, i) for i in range(count)]
 
@@ -139,6 +151,75 @@ def test_a_save_never_reads_a_layer_before_its_event(memory: np.ndarray) -> None
     [status] = store.batch_get_whole([f"{prefix}-1"], [[flat.ctypes.data]], [[flat.size]])
     assert status.ok
     assert (flat[:BLOCK] == 7).all()
+
+
+# (granularity, block-major caches): objects that move whole, once their group completes
+ONE_PIECE_SAVES = [("group", False), ("group", True), ("staged", True)]
+
+
+@pytest.mark.parametrize(("granularity", "block_major"), ONE_PIECE_SAVES)
+def test_a_group_put_whole_waits_for_every_layer_event(
+    memory: np.ndarray, granularity: Granularity, block_major: bool
+) -> None:
+    """Layers that move no bytes before their group completes are not handed to the send
+    thread one by one; the put still waits for each of their events."""
+    caches = memory.transpose(1, 0, 2).copy() if block_major else memory
+    layout = block_major_layout(caches) if block_major else deep_layout(caches)
+    assert layout.contiguous == block_major
+    layer_zero = caches[:2, 0] if block_major else caches[0, :2]
+    store = RecordingStore()
+    prefix = unique_prefix()
+    with TransferEngine(store, [layout], PipelineOptions(granularity=granularity)) as engine:
+        step = engine.begin_layerwise(saves=saves(2, prefix))
+        gate = GateEvent()
+        step.save_layer(0, gate)
+        for layer in range(1, LAYERS):
+            step.save_layer(layer, CpuEvent())
+        assert gate.waited.wait(timeout=10)
+        layer_zero[:] = 7  # the "kernel" finishes writing layer 0 only now
+        gate.fire()
+        assert step.finish().ok
+    flat = np.zeros(BLOCK * LAYERS, dtype=np.uint8)
+    [status] = store.batch_get_whole([f"{prefix}-1"], [[flat.ctypes.data]], [[flat.size]])
+    assert status.ok
+    assert (flat[:BLOCK] == 7).all()
+
+
+@pytest.mark.parametrize(
+    ("granularity", "block_major", "handed_layers"),
+    [
+        *((granularity, block_major, [5, 11]) for granularity, block_major in ONE_PIECE_SAVES),
+        ("staged", False, list(range(LAYERS))),  # each layer is copied into staging
+        ("layer", False, list(range(LAYERS))),  # each layer's ranges are put
+        ("layer", True, list(range(LAYERS))),
+    ],
+)
+def test_the_send_thread_gets_a_layer_only_to_move_bytes_or_complete_a_group(
+    memory: np.ndarray, granularity: Granularity, block_major: bool, handed_layers: list[int]
+) -> None:
+    """Two groups, on layers 0-5 and 0-11: where nothing is copied or ranged before a
+    group completes, the send thread is woken at layers 5 and 11 only."""
+    caches = memory.transpose(1, 0, 2).copy() if block_major else memory
+    full = block_major_layout(caches) if block_major else deep_layout(caches)
+    short = GroupLayout(1, [entry for entry in full.entries if entry.layer <= 5])
+    prefix = unique_prefix()
+    transfers = [
+        *saves(2, prefix),
+        *(BlockTransfer(f"{prefix}-s{i}", 1, i, prefix, i) for i in range(2)),
+    ]
+    store = RecordingStore()
+    with TransferEngine(store, [full, short], PipelineOptions(granularity=granularity)) as engine:
+        step = engine.begin_layerwise(saves=transfers)
+        handed = []
+        for layer in range(LAYERS):
+            before = len(step._jobs)
+            step.save_layer(layer, CpuEvent())
+            if len(step._jobs) > before:
+                handed.append(layer)
+        result = step.finish()
+    assert result.ok
+    assert handed == handed_layers
+    assert store.batch_is_readable([t.key for t in transfers]) == [True] * 4
 
 
 def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> None:

@@ -352,7 +352,10 @@ class LayerwiseStep:
             engine.staging,
         )
         self._save_layers = self._writes.layers
+        self._group_layers = self._writes.group_layers()
         self._saved: set[int] = set()
+        # Saved layers whose write is bookkeeping only, for the next hand-over to do.
+        self._deferred: list[tuple[int, Event]] = []
         self._read_jobs: list[Job] = []
         self._jobs: list[Job] = []
         self._finished: TransferResult | None = None
@@ -379,19 +382,33 @@ class LayerwiseStep:
         return self._load_outcome.failed_blocks()
 
     def save_layer(self, layer: int, event: Event) -> None:
-        """Queue layer `layer`'s saves; they read its KV only after `event`."""
+        """Queue layer `layer`'s saves; they read its KV only after `event`.
+
+        A layer that moves no bytes yet (its groups are put whole once complete, and it
+        completes none) is not handed to the send thread: the next hand-over waits for its
+        event and counts it written, so a step of one-piece objects wakes that thread once
+        per group instead of once per layer.
+        """
         if layer in self._saved:
             raise ValueError(f"layer {layer} was already saved in this step")
         self._saved.add(layer)
         if layer not in self._save_layers:
             return
+        pending = [*self._deferred, (layer, event)]
+        if not self._writes.moves_bytes_at(layer) and not any(
+            layer in layers and layers <= self._saved for layers in self._group_layers
+        ):
+            self._deferred = pending
+            return
+        self._deferred = []
         backlog = self._engine.backlog
         backlog.acquire()
 
         def work() -> None:
             try:
-                event.synchronize()
-                self._writes.write_layer(layer)
+                for saved, ready in pending:
+                    ready.synchronize()
+                    self._writes.write_layer(saved)
             finally:
                 backlog.release()
 

@@ -518,6 +518,15 @@ class Writes(Transfers, ABC):
     def layers(self) -> set[int]:
         return {layer for missing in self._missing.values() for layer in missing}
 
+    def group_layers(self) -> list[frozenset[int]]:
+        """Each group's layers: the group completes once all of them were written."""
+        return [frozenset(batch.layout.layers) for batch in self.batches.values()]
+
+    def moves_bytes_at(self, layer: int) -> bool:
+        """Whether writing `layer` moves bytes before its group completes (else the layer
+        is only bookkeeping, which can wait for the next hand-over to the send thread)."""
+        return False
+
     def prepare(self) -> None:
         """Skip keys the pool already holds (one existence query), then open the rest."""
         keys = [key for batch in self.batches.values() for key in batch.keys]
@@ -617,6 +626,9 @@ class RangedWrites(Writes):
         )
         self._revoke([batch.keys[row] for batch, row in failed])
         self.fail(failed)
+
+    def moves_bytes_at(self, layer: int) -> bool:
+        return True
 
     def commit(self, batches: Sequence[GroupBatch]) -> None:
         rows = [(batch, int(row)) for batch in batches for row in batch.live()]
@@ -850,6 +862,13 @@ class StagedWrites(WholeWrites):
 
     def open(self) -> None:
         self.stage()
+
+    def moves_bytes_at(self, layer: int) -> bool:
+        """Copies into staging, unless every group with this layer moves in place."""
+        return any(
+            not batch.layout.contiguous and batch.layout.entries_of_layer(layer)
+            for batch in self.batches.values()
+        )
 
     def write_ranges(self, layer: int) -> None:
         self._gathered = True
