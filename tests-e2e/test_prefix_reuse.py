@@ -36,16 +36,29 @@ FULL_ATTENTION = "FullAttentionSpec"
 
 Case = tuple[str, str, str, str]  # model, writer mode, reader mode, multiprocessing
 
+# Transfer mode -> connector keys: the staged default (host caches) whole or layerwise, and
+# the granularities device caches get, run here on host caches: per-layer ranges in put
+# and get sessions ("ranged"), one multi-buffer call per group ("group").
+MODES: dict[str, dict[str, object]] = {
+    "whole": {"use_layerwise": False},
+    "layerwise": {"use_layerwise": True},
+    "ranged": {"use_layerwise": True, "granularity": "layer"},
+    "group": {"use_layerwise": True, "granularity": "group"},
+}
+
 # VLLM_ENABLE_V1_MULTIPROCESSING is that of both instances. Every model crosses the modes
 # both ways, so each mode writes and reads every layout; each direction runs with the
 # engine in-process and in its own process; the conv-state model, the hardest layout, also
-# runs each mode against itself. Every case is a writer process and a reader process
-# (~25 s each on 2 cores), so the list holds only what adds coverage.
+# runs each mode against itself, and the device granularities against the staged modes.
+# Every case is a writer process and a reader process (~25 s each on 2 cores), so the
+# list holds only what adds coverage.
 CASES: list[Case] = [
     *((model, "whole", "layerwise", "1") for model in MODELS),
     *((model, "layerwise", "whole", "0") for model in MODELS),
     ("lfm2", "layerwise", "layerwise", "1"),
     ("lfm2", "whole", "whole", "0"),
+    ("lfm2", "ranged", "group", "0"),
+    ("lfm2", "group", "ranged", "1"),
 ]
 CASE_ARGS = ("model", "writer", "reader", "multiproc")
 
@@ -89,7 +102,7 @@ class _Exchanges:
             model=str(self._references[model].model_path),
             block_size=BLOCK,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            connector={"namespace": namespace, "use_layerwise": mode == "layerwise"},
+            connector={"namespace": namespace, **MODES[mode]},
             master_http=self._pool.http,
             steps=steps,
         )
