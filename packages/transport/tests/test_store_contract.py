@@ -194,6 +194,34 @@ def test_remove_deletes_and_reads_lease_objects_until_forced(store: Store) -> No
     assert store.batch_is_readable([read]) == [False]
 
 
+def test_remove_by_prefix_deletes_exactly_the_committed_keys_it_starts(store: Store) -> None:
+    """Characters a regular expression treats specially match only themselves; a read's
+    lease keeps an object unless forced; a key still being put is left alone."""
+    tag = uuid.uuid4().hex
+    prefix = f"m.{tag}(1)@"
+    mine = [f"{prefix}{i}" for i in range(3)]
+    others = [f"mX{tag}(1)@0", f"m.{tag}1@0", f"m.{tag}(1)X0", f"n{prefix}0"]
+    for key in (*mine, *others):
+        assert put_whole(store, key, pattern(512, 9)) is OK
+    opened = f"{prefix}open"
+    assert store.put_session_start([opened], [512]) == [OK]
+    assert get_whole(store, mine[0], 512)[0] is OK  # leased now
+
+    assert store.remove_by_prefix(prefix) == 2
+    assert store.batch_is_readable(mine) == [True, False, False]
+    assert store.remove_by_prefix(prefix, force=True) == 1
+    assert store.batch_is_readable([*mine, *others]) == [False] * 3 + [True] * 4
+    assert store.remove_by_prefix(prefix, force=True) == 0
+
+    data = pattern(512, 10)  # the open put was left alone: it still commits
+    assert store.put_ranges([opened], [[data.ctypes.data]], [[512]], [[0]]) == [OK]
+    assert store.put_session_end([opened]) == [OK]
+    assert np.array_equal(get_whole(store, opened, 512)[1], data)
+    assert store.batch_remove([*others, opened], force=True) == [OK] * 5
+    with pytest.raises(InvalidRequestError, match="empty prefix"):
+        store.remove_by_prefix("")
+
+
 def test_put_of_an_existing_key_keeps_the_old_bytes(store: Store) -> None:
     key, old, new = fresh_key(), pattern(2048, 7), pattern(2048, 8)
     assert put_whole(store, key, old) is OK
@@ -267,6 +295,7 @@ def test_every_call_after_close_raises_store_closed(closable_store: Store) -> No
         lambda: store.get_ranges([key], ptrs, sizes, [[0]]),
         lambda: store.get_session_end([key]),
         lambda: store.batch_remove([key]),
+        lambda: store.remove_by_prefix(key),
     ]
     for call in calls:
         with pytest.raises(StoreClosed):

@@ -152,6 +152,8 @@ def test_lost_master_fails_calls_fast_and_recovery_follows_a_restart(
         print("calls with the master down took", [f"{t:.3f} s" for t in timings])
         with pytest.raises(StoreUnavailable, match="RPC_FAILED"):
             raise_on_failure("put", ["x"], [Status.RPC_FAILED])
+        with pytest.raises(StoreUnavailable, match="remove_by_prefix of 'before"):
+            store.remove_by_prefix("before")
         assert sum(timings) < 30  # the raw client spends ~4 s per call reconnecting
 
         restarted = start_mooncake_master(rpc_port=master.rpc_port)

@@ -15,7 +15,14 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
-from hybridkv.transport.store import Offsets, Pointers, Sizes, check_ranges, check_whole
+from hybridkv.transport.store import (
+    Offsets,
+    Pointers,
+    Sizes,
+    check_prefix,
+    check_ranges,
+    check_whole,
+)
 
 KeyMatch = Collection[str] | Callable[[str], bool]
 
@@ -258,6 +265,20 @@ class MemoryStore:
             return status
 
         return self._each_key("batch_remove", keys, remove)
+
+    def remove_by_prefix(self, prefix: str, force: bool = False) -> int:
+        check_prefix(prefix)
+        with self._lock:
+            self._check_open()
+            now = time.monotonic()
+            doomed = [
+                key
+                for key, item in self._committed.items()
+                if key.startswith(prefix) and (force or item.lease_until <= now)
+            ]
+            for key in doomed:
+                self._used -= self._committed.pop(key).size
+            return len(doomed)
 
     def close(self) -> None:
         with self._lock:

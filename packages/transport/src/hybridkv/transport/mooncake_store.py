@@ -30,9 +30,17 @@ from hybridkv.transport.errors import (
     StoreError,
     StoreUnavailable,
     UnsupportedClient,
+    error_for,
 )
 from hybridkv.transport.master import is_listening, split_address
-from hybridkv.transport.store import Offsets, Pointers, Sizes, check_ranges, check_whole
+from hybridkv.transport.store import (
+    Offsets,
+    Pointers,
+    Sizes,
+    check_prefix,
+    check_ranges,
+    check_whole,
+)
 
 # The range/session API (Mooncake PR #2881) plus the whole-object calls hybridkv uses.
 REQUIRED_METHODS = (
@@ -51,6 +59,7 @@ REQUIRED_METHODS = (
     "batch_get_into_multi_buffer_ranges",
     "batch_get_session_end",
     "batch_remove",
+    "remove_by_regex",
 )
 
 # Mooncake 0.3.13 over TCP fails (-800) the keys of one call beyond about 2000 pieces
@@ -58,6 +67,8 @@ REQUIRED_METHODS = (
 MAX_PIECES_PER_CALL = 1024
 MASTER_PROBE_TIMEOUT_S = 2.0
 MASTER_RECHECK_INTERVAL_S = 0.5
+# Characters Mooncake's (ECMAScript) regex treats specially: escaped to match a prefix.
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
 
 
 def _mooncake_version() -> str:
@@ -254,6 +265,19 @@ class MooncakeStore:
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
         return self._statuses(keys, lambda client: client.batch_remove(list(keys), force))
+
+    def remove_by_prefix(self, prefix: str, force: bool = False) -> int:
+        pattern = "^" + "".join(
+            f"\\{c}" if c in _REGEX_SPECIAL else c for c in check_prefix(prefix)
+        )
+        [code] = self._master_call(
+            [prefix],
+            lambda client: [int(client.remove_by_regex(pattern, force))],
+            failed=Status.RPC_FAILED.value,
+        )
+        if code < 0:
+            raise error_for(Status.from_code(code), prefix, "remove_by_prefix")
+        return code
 
     def close(self) -> None:
         """Wait for calls in flight, then release the client; idempotent."""

@@ -91,6 +91,10 @@ class Store(Protocol):
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
         """Delete committed objects (force: even while leased)."""
 
+    def remove_by_prefix(self, prefix: str, force: bool = False) -> int:
+        """Delete every committed object whose key starts with `prefix` (force: even while
+        leased); the number deleted. Objects still being put are left alone."""
+
     def close(self) -> None:
         """Release the client; any later call raises `StoreClosed`, never crashes."""
 
@@ -106,6 +110,13 @@ def check_batch(
         lengths = {name: len(column[index]) for name, column in columns}
         if len(set(lengths.values())) > 1:
             raise InvalidRequestError(f"{operation}: pieces of {key!r} disagree: {lengths}")
+
+
+def check_prefix(prefix: str) -> str:
+    """Refuse the empty prefix: it would delete every object in the pool, anyone's."""
+    if not prefix:
+        raise InvalidRequestError("remove_by_prefix: an empty prefix would remove every object")
+    return prefix
 
 
 def check_whole(
