@@ -16,9 +16,15 @@ def _readable(keys: Sequence[str]) -> list[bool]:
     return [key.startswith("yes") for key in keys]
 
 
+def _remove(prefixes: Sequence[str]) -> int:
+    if "boom@" in prefixes:
+        raise RuntimeError("master exploded")
+    return 10 * len(prefixes)
+
+
 @pytest.fixture
 def server() -> LookupServer:
-    server = LookupServer(_readable)
+    server = LookupServer(_readable, remove=_remove)
     yield server
     server.close()
 
@@ -78,3 +84,22 @@ def test_unpublished_server_is_a_miss() -> None:
     client = LookupClient(lambda: None, timeout_ms=100)
     assert client.query(["yes"]) is None
     client.close()
+
+
+def test_removal_round_trip_and_its_failures(
+    server: LookupServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = LookupClient(server.address, timeout_ms=2000)
+    assert client.remove(["a@", "b@"]) == 20
+    with caplog.at_level(logging.WARNING):
+        assert client.remove(["boom@"]) is None
+    assert "master exploded" in caplog.text
+    assert client.query(["yes"]) == [True]  # the server survived
+    client.close()
+    lookups_only = LookupServer(_readable)
+    client = LookupClient(lookups_only.address, timeout_ms=2000)
+    with caplog.at_level(logging.WARNING):
+        assert client.remove(["a@"]) is None
+    assert "does not remove" in caplog.text
+    client.close()
+    lookups_only.close()

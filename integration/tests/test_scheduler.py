@@ -86,6 +86,28 @@ def test_salt_and_lora_change_the_keys(vllm_specs: Any) -> None:
     assert side.num_new_matched_tokens(request("a", TOKENS, cache_salt="s"), 0) == (0, False)
 
 
+def test_a_reset_moves_every_key_to_a_new_generation(vllm_specs: Any) -> None:
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 192)
+    req = request("r", TOKENS)
+    assert side.num_new_matched_tokens(req, 0) == (192, False)
+    side.reset()
+    assert side.generation == 1
+    assert side.num_new_matched_tokens(req, 0) == (0, False)  # the old objects never answer
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(req, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 0, 64)], tables={"r": table}))
+    assert meta.generation == 1
+    saved = [ref.block_hash for ref in meta.requests[0].saves]
+    old = RequestHashes(side.plan, "", None)
+    old.cover(TOKENS, 64)
+    new = RequestHashes(side.plan, "", None, generation=1)
+    new.cover(TOKENS, 64)
+    assert saved == new.for_group(32)[:2] != old.for_group(32)[:2]
+    pool.keys.update(side.keys.keys(0, new.for_group(32)[:2], [0]))  # saved anew
+    assert side.num_new_matched_tokens(request("s", TOKENS), 0) == (64, False)
+
+
 def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: Any) -> None:
     kinds = [
         (["w"], attention(vllm_specs, window=64)),

@@ -171,6 +171,49 @@ def test_device_granularities_reuse_exactly(
         assert not warm[3].get("failed_load_blocks"), case
 
 
+def test_a_cache_reset_keeps_older_kv_from_being_loaded(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reset_prefix_cache(reset_connector=True)` (what vLLM does around a weight update):
+    the same engine then recomputes the prompt instead of loading what it stored before,
+    stores it anew and reuses that; the old objects are gone from the pool, so a new
+    engine finds nothing either."""
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    from hybridkv.integration.pool import process_memory_store
+
+    store = process_memory_store()
+    extra = {"store": "memory", "namespace": "reset"}
+
+    def stored() -> set[str]:
+        return {key for key in store.committed_objects() if key.startswith("llama@")}
+
+    llm = new_llm(model, extra)
+    cold = complete(llm)
+    before = stored()
+    assert cold[2] == 0
+    assert before
+    assert llm.reset_prefix_cache(reset_connector=True)
+    after_reset = stored()
+    recomputed = complete(llm)
+    assert recomputed[2] == 0  # neither vLLM's cache nor the pool answered
+    assert recomputed[:2] == cold[:2]
+    anew = stored() - after_reset
+    assert not after_reset & before  # removed ...
+    assert len(anew) == len(before)  # ... and stored anew
+    assert llm.reset_prefix_cache()  # vLLM's own cache only: the new objects answer
+    warm = complete(llm)
+    assert warm[2] == HIT
+    assert warm[:2] == cold[:2]
+    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    _assert_shut_down(instance)
+    fresh = _run(model, extra)  # a new engine: generation 0, whose objects were removed
+    assert fresh[2] == 0
+    assert fresh[:2] == cold[:2]
+
+
 @pytest.mark.parametrize("use_layerwise", [False, True])
 def test_a_failed_load_is_recomputed_by_vllm(
     use_layerwise: bool, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch

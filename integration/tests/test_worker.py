@@ -77,9 +77,9 @@ STRATEGIES: dict[str, Callable[[TransferEngine], TransferStrategy]] = {
 }
 
 
-def _step(worker: WorkerSide, requests: list[RequestTransfers]) -> None:
+def _step(worker: WorkerSide, requests: list[RequestTransfers], generation: int = 0) -> None:
     """vLLM's calls for one forward (without layer hooks), then the next step's barrier."""
-    worker.begin_step(HybridKVMetadata(requests))
+    worker.begin_step(HybridKVMetadata(requests, generation))
     worker.start_async_loads()
     worker.end_step()
     worker.barrier()
@@ -198,6 +198,19 @@ def test_save_then_load_round_trips_bytes(rig: Any) -> None:
     assert stats is not None
     assert stats.data["loaded_blocks"] == 3
     assert stats.data["saved_blocks"] == 3
+
+
+def test_after_a_reset_a_running_request_saves_its_blocks_under_new_keys(rig: Any) -> None:
+    """A request that owned block 0 under one hash saves it under another once the
+    scheduler's generation moved on (an unchanged generation refuses the new key)."""
+    worker, _, store = rig
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1)]))])
+    renamed = [BlockRef(0, 0, 1, b"\x09" * 32)]
+    with pytest.raises(ValueError, match="already owns key"):
+        worker.engine.save(worker._transfers("a", renamed, writing=True))
+    _step(worker, [RequestTransfers(request_id="a", saves=renamed)], generation=1)
+    (key,) = worker.keys.keys(0, [b"\x09" * 32], [0])
+    assert store.batch_is_readable([key]) == [True]
 
 
 def test_failed_load_reports_local_blocks(rig: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -174,6 +174,33 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """`BlockStored` for blocks every storing head has put in the pool (see events.py)."""
         return self._announcer.take() if self._announcer is not None else ()
 
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (`reset_prefix_cache(reset_connector=True)`, and pausing
+        with `clear_cache`, as around an RL weight update): no KV stored before it is
+        loaded after it.
+
+        This instance moves to new keys at once (saves still in flight land under keys it
+        never asks for again), and worker rank 0 removes every object of this model and
+        layout from the pool, so that other instances do not load them either. False, so
+        that vLLM reports the reset as failed, if that removal did not happen.
+        """
+        self.scheduler_side.reset()
+        assert self._client is not None  # the scheduler side has one
+        removed = self._client.remove(self.keys.prefixes())
+        if removed is None:
+            logger.warning(
+                "hybridkv: cache reset: this instance will not load older KV, but the pool "
+                "still holds it (removal failed, see above)"
+            )
+            return False
+        logger.info(
+            "hybridkv: cache reset: removed %d objects of this model from the pool; "
+            "instances share KV again once each has reset as often (generation %d)",
+            removed,
+            self.scheduler_side.generation,
+        )
+        return True
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -224,12 +251,18 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             block_copier(kv_caches, self._kv_cache_config.num_blocks),
         )
         if tp_rank == 0:
-            self._server = LookupServer(engine.batch_is_readable, self.config.lookup_port)
+            self._server = LookupServer(
+                engine.batch_is_readable, self.config.lookup_port, self._remove_from_pool
+            )
             if not self.config.lookup_port:
                 path = rendezvous_path(self._instance)
                 publish_port(path, self._server.port)
                 self._pool.files.append(path)
                 atexit.register(path.unlink, missing_ok=True)  # if vLLM never calls shutdown
+
+    def _remove_from_pool(self, prefixes: Sequence[str]) -> int:
+        store = self.worker_side.engine.store
+        return sum(store.remove_by_prefix(prefix, force=True) for prefix in prefixes)
 
     def _strategy(self, engine: TransferEngine, device: str) -> TransferStrategy:
         if self.config.use_layerwise:

@@ -43,8 +43,11 @@ class RequestHashes:
 
     __slots__ = ("_extra", "_hasher")
 
-    def __init__(self, plan: KVPlan, namespace: str, extra: object) -> None:
-        self._hasher = BlockHasher(plan.hash_block_size, f"{namespace}\0{plan.digest}")
+    def __init__(self, plan: KVPlan, namespace: str, extra: object, generation: int = 0) -> None:
+        # Each cache reset (a weight update) starts a generation whose hashes share nothing
+        # with the previous ones; generation 0 hashes as before resets existed.
+        scope = f"{namespace}\0{plan.digest}" + (f"\0reset {generation}" if generation else "")
+        self._hasher = BlockHasher(plan.hash_block_size, scope)
         self._extra = extra
 
     def cover(self, token_ids: Sequence[int], num_tokens: int) -> None:
@@ -74,3 +77,7 @@ class KeySpace:
     def keys(self, group: int, hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
         """Keys of `hashes` in plan group `group`, block-major, `heads` within a block."""
         return self._renderers[group].render_all(hashes, heads)
+
+    def prefixes(self) -> list[str]:
+        """What every key of this model and layout starts with (one per group format)."""
+        return sorted({renderer.prefix for renderer in self._renderers})

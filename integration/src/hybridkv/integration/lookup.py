@@ -1,10 +1,11 @@
-"""The scheduler's one question to the pool, asked of worker rank 0 over ZMQ.
+"""The scheduler's requests to the pool, made of worker rank 0 over ZMQ.
 
 The scheduler process holds no store client; worker rank 0 does. One REQ/REP round trip
-per lookup carries every key of that lookup (msgspec-encoded). The server answers every
-request, a malformed one with an error, and survives anything a request does; the client
-gives up after a timeout and reports "unknown", which the scheduler treats as a miss
-(recompute), never as a hang.
+per lookup carries every key of that lookup (msgspec-encoded); a cache reset asks for the
+model's objects to be removed the same way. The server answers every request, a malformed
+one with an error, and survives anything a request does; the client gives up after a
+timeout and reports "unknown", which the scheduler treats as a miss (recompute), never as
+a hang.
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
     keys: list[str]
 
 
+class RemoveRequest(msgspec.Struct, frozen=True, tag="remove"):
+    """Remove every object whose key starts with one of `prefixes` (a cache reset)."""
+
+    prefixes: list[str]
+
+
 class LookupReply(msgspec.Struct, frozen=True):
     readable: list[bool] | None = None
+    removed: int | None = None
     error: str | None = None
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode_request = msgspec.msgpack.Decoder(LookupRequest).decode
+_decode_request = msgspec.msgpack.Decoder(LookupRequest | RemoveRequest).decode
 _decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
 
 Readability = Callable[[Sequence[str]], list[bool]]
+Removal = Callable[[Sequence[str]], int]
 
 
 def rendezvous_path(instance: str) -> Path:
@@ -48,10 +57,12 @@ def rendezvous_path(instance: str) -> Path:
 
 
 class LookupServer:
-    """REP socket on loopback answering `LookupRequest`s from a readability function."""
+    """REP socket on loopback answering `LookupRequest`s from a readability function and
+    `RemoveRequest`s from a removal function."""
 
-    def __init__(self, readable: Readability, port: int = 0) -> None:
+    def __init__(self, readable: Readability, port: int = 0, remove: Removal | None = None) -> None:
         self._readable = readable
+        self._remove = remove
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -73,6 +84,8 @@ class LookupServer:
             request = _decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return LookupReply(error=f"malformed lookup request: {exc}")
+        if isinstance(request, RemoveRequest):
+            return self._answer_remove(request.prefixes)
         try:
             answers = self._readable(request.keys)
         except Exception as exc:  # the pool failing must not take the server down
@@ -81,6 +94,15 @@ class LookupServer:
         if len(answers) != len(request.keys):
             return LookupReply(error=f"{len(answers)} answers for {len(request.keys)} keys")
         return LookupReply(readable=[bool(answer) for answer in answers])
+
+    def _answer_remove(self, prefixes: list[str]) -> LookupReply:
+        if self._remove is None:
+            return LookupReply(error="this lookup server does not remove objects")
+        try:
+            return LookupReply(removed=self._remove(prefixes))
+        except Exception as exc:  # the pool failing must not take the server down
+            logger.warning("hybridkv removal of %s failed: %s", prefixes, exc)
+            return LookupReply(error=f"removal failed: {type(exc).__name__}: {exc}")
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -134,27 +156,39 @@ class LookupClient:
 
     def query(self, keys: Sequence[str]) -> list[bool] | None:
         """Readability of every key, or None when the server cannot answer in time."""
+        reply = self._ask(LookupRequest(list(keys)), "lookup", "recomputing instead")
+        return None if reply is None else reply.readable
+
+    def remove(self, prefixes: Sequence[str]) -> int | None:
+        """Objects removed under `prefixes`, or None when the server did not answer."""
+        reply = self._ask(RemoveRequest(list(prefixes)), "removal", "the pool keeps them")
+        return None if reply is None else reply.removed
+
+    def _ask(
+        self, request: LookupRequest | RemoveRequest, what: str, fallback: str
+    ) -> LookupReply | None:
+        """One round trip; None (after a warning saying `fallback`) unless answered."""
         socket = self._connect()
         if socket is None:
-            logger.warning("hybridkv lookup server not published yet: treating as a miss")
+            logger.warning("hybridkv lookup server not published yet: %s %s", what, fallback)
             return None
         try:
-            socket.send(_encode(LookupRequest(list(keys))))
+            socket.send(_encode(request))
             reply = _decode_reply(socket.recv())
         except zmq.Again:
             self._reset()
             logger.warning(
-                "hybridkv lookup timed out after %d ms: recomputing instead", self._timeout_ms
+                "hybridkv %s timed out after %d ms: %s", what, self._timeout_ms, fallback
             )
             return None
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reset()
-            logger.warning("hybridkv lookup failed (%s): recomputing instead", exc)
+            logger.warning("hybridkv %s failed (%s): %s", what, exc, fallback)
             return None
-        if reply.error is not None or reply.readable is None:
-            logger.warning("hybridkv lookup refused: %s", reply.error)
+        if reply.error is not None:
+            logger.warning("hybridkv %s refused: %s", what, reply.error)
             return None
-        return reply.readable
+        return reply
 
     def close(self) -> None:
         self._reset()

@@ -47,10 +47,15 @@ class RequestTransfers(msgspec.Struct, kw_only=True):
 
 
 class HybridKVMetadata(KVConnectorMetadata):
-    """The step's transfers; empty on steps with nothing to move."""
+    """The step's transfers; empty on steps with nothing to move.
 
-    def __init__(self, requests: list[RequestTransfers] | None = None) -> None:
+    `generation`: how many cache resets the scheduler has made; a worker that sees it
+    change forgets which keys its requests own (their blocks hash anew from then on).
+    """
+
+    def __init__(self, requests: list[RequestTransfers] | None = None, generation: int = 0) -> None:
         self.requests: list[RequestTransfers] = requests or []
+        self.generation = generation
 
     def __repr__(self) -> str:
         loads = sum(len(r.loads) for r in self.requests)

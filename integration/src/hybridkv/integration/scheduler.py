@@ -70,6 +70,16 @@ class SchedulerSide:
         self._ready: dict[str, RequestTransfers] = {}
         self.hit_tokens = 0
         self.lookups = 0
+        self.generation = 0
+
+    def reset(self) -> None:
+        """Nothing stored before this call is looked up again: hashes (and so keys) move
+        to a new generation, and every request is tracked afresh when vLLM next offers it
+        (a reset preempts the running ones)."""
+        self.generation += 1
+        self._tracked.clear()
+        self._pending.clear()
+        self._ready.clear()
 
     # -- lookup -----------------------------------------------------------------------
 
@@ -78,7 +88,9 @@ class SchedulerSide:
         if tracked is None:
             tracked = _Tracked(
                 request=request,
-                hashes=RequestHashes(self.plan, self.config.namespace, request_extra(request)),
+                hashes=RequestHashes(
+                    self.plan, self.config.namespace, request_extra(request), self.generation
+                ),
                 store_mask=self.coordinator.store_mask(request.num_prompt_tokens),
                 scanned=[0] * len(self.plan.groups),
             )
@@ -194,7 +206,7 @@ class SchedulerSide:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
                     table.extend(ids)
             self._plan_saves(tracked, done, state, step)
-        return HybridKVMetadata(list(step.values()))
+        return HybridKVMetadata(list(step.values()), self.generation)
 
     def _start(
         self,

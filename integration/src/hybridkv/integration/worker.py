@@ -125,6 +125,7 @@ class WorkerSide:
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
         self._load_errors: set[int] = set()
+        self._generation = 0
 
     def _count(self, **values: float) -> None:
         self.counters.add(**values)
@@ -172,6 +173,9 @@ class WorkerSide:
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """The step's metadata is bound, the forward not started: hand the strategy its plan."""
         self.barrier()
+        if meta.generation != self._generation:  # the scheduler reset the cache
+            self.engine.release_all()
+            self._generation = meta.generation
         sync: list[BlockTransfer] = []
         saves: list[BlockTransfer] = []
         copies = [copy for request in meta.requests for copy in request.copies]

@@ -216,6 +216,10 @@ class TransferEngine:
         """Forget what finished requests own (call when vLLM frees them)."""
         self._ownership.release(request_ids)
 
+    def release_all(self) -> None:
+        """Forget what every request owns: after a reset their blocks get new keys."""
+        self._ownership.release_all()
+
     def close(self) -> None:
         """Finish open steps, run every queued transfer, stop both threads."""
         with self._lock:

@@ -130,6 +130,12 @@ class Ownership:
                 if owner_request == request_id
             }
 
+    def release_all(self) -> None:
+        """Forget every request (their keys changed: a reset moved hashes elsewhere)."""
+        with self._lock:
+            requests = {owner[0] for owner in self._owned}
+        self.release(requests)
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests; keys they are still writing keep their riders."""
         gone = set(request_ids)
