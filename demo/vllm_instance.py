@@ -45,6 +45,9 @@ class Step(msgspec.Struct, kw_only=True):
     reset_prefix_cache: bool = True
     # report the connector's transfer totals of each prompt (needs the in-process engine)
     transfer_totals: bool = False
+    # before the prompts, reset the connector's cache as after a weight update
+    # (reset_prefix_cache(reset_connector=True)); StepResult.reset_ok is vLLM's answer
+    reset_connector: bool = False
 
 
 class InstanceSpec(msgspec.Struct, kw_only=True):
@@ -79,6 +82,7 @@ class PromptResult(msgspec.Struct, kw_only=True):
 class StepResult(msgspec.Struct, kw_only=True):
     prompts: list[PromptResult]
     keys: list[str] | None = None
+    reset_ok: bool | None = None
 
 
 class InstanceResult(msgspec.Struct, kw_only=True):
@@ -258,13 +262,14 @@ def main(spec_path: str, result_path: str) -> int:
     kv_groups = _kv_groups(llm) if spec.report_kv_groups else None
     steps: list[StepResult] = []
     for step in spec.steps:
+        reset_ok = llm.reset_prefix_cache(reset_connector=True) if step.reset_connector else None
         prompts = [_run_prompt(llm, prompt, step) for prompt in step.prompts]
         keys = None
         if step.snapshot_keys:
             if spec.master_http is None:
                 raise ValueError("snapshot_keys needs master_http")
             keys = _settled_keys(spec.master_http)
-        steps.append(StepResult(prompts=prompts, keys=keys))
+        steps.append(StepResult(prompts=prompts, keys=keys, reset_ok=reset_ok))
     del llm  # shut the engine down (and its connector) before reporting success
     gc.collect()
     result = InstanceResult(load_s=load_s, steps=steps, kv_groups=kv_groups)

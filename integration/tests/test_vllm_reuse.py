@@ -176,8 +176,8 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
 ) -> None:
     """`reset_prefix_cache(reset_connector=True)` (what vLLM does around a weight update):
     the same engine then recomputes the prompt instead of loading what it stored before,
-    stores it anew and reuses that; the old objects are gone from the pool, so a new
-    engine finds nothing either."""
+    stores it anew and reuses that; the model's old objects are gone from the pool (every
+    namespace's), so a new engine finds nothing either."""
     model = _in_process_model("llama", tmp_path_factory, monkeypatch)
     from hybridkv.integration.pool import process_memory_store
 
@@ -187,27 +187,30 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
     def stored() -> set[str]:
         return {key for key in store.committed_objects() if key.startswith("llama@")}
 
+    other_tests = stored()
     llm = new_llm(model, extra)
-    cold = complete(llm)
-    before = stored()
-    assert cold[2] == 0
-    assert before
-    assert llm.reset_prefix_cache(reset_connector=True)
-    after_reset = stored()
-    recomputed = complete(llm)
-    assert recomputed[2] == 0  # neither vLLM's cache nor the pool answered
-    assert recomputed[:2] == cold[:2]
-    anew = stored() - after_reset
-    assert not after_reset & before  # removed ...
-    assert len(anew) == len(before)  # ... and stored anew
-    assert llm.reset_prefix_cache()  # vLLM's own cache only: the new objects answer
-    warm = complete(llm)
-    assert warm[2] == HIT
-    assert warm[:2] == cold[:2]
     instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    try:
+        cold = complete(llm)
+        mine = stored() - other_tests
+        assert cold[2] == 0
+        assert mine
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert stored() == set()
+        recomputed = complete(llm)
+        assert recomputed[2] == 0  # neither vLLM's cache nor the pool answered
+        assert recomputed[:2] == cold[:2]
+        anew = stored()
+        assert len(anew) == len(mine)
+        assert not anew & mine  # stored under the new generation's keys
+        assert llm.reset_prefix_cache()  # vLLM's own cache only: the new objects answer
+        warm = complete(llm)
+        assert warm[2] == HIT
+        assert warm[:2] == cold[:2]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
     _assert_shut_down(instance)
     fresh = _run(model, extra)  # a new engine: generation 0, whose objects were removed
     assert fresh[2] == 0
