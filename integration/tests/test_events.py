@@ -92,3 +92,12 @@ def test_a_block_is_announced_once_every_storing_head_stored_it() -> None:
     announcer.add([HeadStored(head=1, event=stored(0, 7))])
     assert announcer.take() == [stored(0, 7)]
     assert announcer.take() == []
+
+    # A cache reset: what a worker reports of a save planned before it is not announced.
+    announcer.add([HeadStored(head=0, event=stored(0, 9))])  # waits for head 1
+    announcer.add([HeadStored(head=0, event=stored(1, 10))])  # ready, not yet taken
+    announcer.reset(1)
+    announcer.add([HeadStored(head=1, event=stored(0, 9)), HeadStored(0, stored(1, 11))])
+    assert announcer.take() == []
+    announcer.add([HeadStored(0, stored(1, 12), generation=1)])
+    assert announcer.take() == [stored(1, 12)]

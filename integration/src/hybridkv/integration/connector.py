@@ -185,6 +185,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         that vLLM reports the reset as failed, if that removal did not happen.
         """
         self.scheduler_side.reset()
+        if self._announcer is not None:
+            self._announcer.reset(self.scheduler_side.generation)
         assert self._client is not None  # the scheduler side has one
         removed = self._client.remove(self.keys.prefixes())
         if removed is None:

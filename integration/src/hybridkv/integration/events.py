@@ -38,6 +38,8 @@ class HeadStored(KVCacheEvent):
 
     head: int
     event: BlockStored
+    # The scheduler's cache-reset generation the save was planned in.
+    generation: int = 0
 
 
 class StoredEvents(KVConnectorKVEvents):
@@ -77,10 +79,18 @@ class PoolAnnouncer:
         self._storing = dict(storing_heads)
         self._pending: OrderedDict[BlockStored, set[int]] = OrderedDict()
         self._ready: list[BlockStored] = []
+        self._generation = 0
+
+    def reset(self, generation: int) -> None:
+        """A cache reset removed the pool's blocks: reports of older saves, some still on
+        their way from the workers, announce nothing any more."""
+        self._generation = generation
+        self._pending.clear()
+        self._ready.clear()
 
     def add(self, reports: Iterable[KVCacheEvent]) -> None:
         for report in reports:
-            if not isinstance(report, HeadStored):
+            if not isinstance(report, HeadStored) or report.generation < self._generation:
                 continue
             heads = self._pending.setdefault(report.event, set())
             heads.add(report.head)

@@ -143,7 +143,7 @@ class WorkerSide:
             key = self.keys.keys(ref.group, [ref.block_hash], [head])[0]
             transfers.append(BlockTransfer(key, ref.group, ref.block_id, request_id, ref.index))
             if writing and ref.stored is not None:
-                self._announce[key] = HeadStored(head=head, event=ref.stored)
+                self._announce[key] = HeadStored(head, ref.stored, self._generation)
         return transfers
 
     def _record_load(self, result: TransferResult) -> None:
