@@ -30,7 +30,7 @@ def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
-def engine_for(store: Store, caches: Caches, mode: str, **options: int) -> TransferEngine:
+def engine_for(store: Store, caches: Caches, mode: str, **options: float) -> TransferEngine:
     granularity = "staged" if mode == "whole" else mode
     return TransferEngine(
         store, caches.layouts, PipelineOptions(granularity=granularity, **options)

@@ -179,6 +179,55 @@ def test_a_full_store_fails_the_keys_that_do_not_fit_and_commits_the_rest() -> N
     assert_clean(store, outstanding)
 
 
+class CountingStore(MemoryStore):
+    """Counts existence queries: every save that runs starts with one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = 0
+
+    def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
+        self.queries += 1
+        return super().batch_is_readable(keys)
+
+
+@pytest.mark.parametrize("mode", ["whole", "staged", "layer", "group"])
+def test_a_full_pool_pauses_saves_before_any_copy_or_store_call(mode: str) -> None:
+    caches, saves = filled_caches_and_saves(seed=18)
+    store = CountingStore()
+    refused = "put_session_start" if mode == "layer" else "batch_put_whole"
+    store.fail_next(refused, [saves[0].key], Status.NO_SPACE)
+    with engine_for(store, caches, mode, full_pool_pause_s=60) as engine:
+        assert save(engine, saves, mode).failed_keys == [saves[0].key]
+        queries = store.queries
+        later = transfers(BLOCKS, "later", prefix=unique_prefix())
+        paused = save(engine, later, mode)
+        outstanding = engine.outstanding("save")
+        assert engine.staging is None or engine.staging.in_use == 0
+    assert sorted(paused.failed_keys) == sorted(t.key for t in later)
+    assert paused.bytes == 0
+    assert store.queries == queries  # not even the existence query
+    assert store.batch_is_readable([t.key for t in saves[1:] + later]) == [True] * 4 + [False] * 5
+    assert_clean(store, outstanding)
+
+
+def test_saves_resume_after_the_pause_and_a_zero_pause_never_pauses() -> None:
+    caches, saves = filled_caches_and_saves(seed=19)
+    store = MemoryStore()
+    store.fail_next("batch_put_whole", [saves[0].key], Status.NO_SPACE, calls=2)
+    with engine_for(store, caches, "whole", full_pool_pause_s=0) as engine:
+        assert save(engine, saves, "whole").failed_keys == [saves[0].key]
+        assert save(engine, saves, "whole").failed_keys == [saves[0].key]  # tried again
+    caches, saves = filled_caches_and_saves(seed=20)
+    store.fail_next("batch_put_whole", [saves[0].key], Status.NO_SPACE)
+    with engine_for(store, caches, "whole", full_pool_pause_s=0.2) as engine:
+        assert save(engine, saves, "whole").failed_keys == [saves[0].key]
+        assert len(save(engine, saves, "whole").failed_keys) == 1  # paused: the rest stored
+        time.sleep(0.3)
+        assert save(engine, saves, "whole").ok  # the pause is over: the pool took it
+    assert all(store.batch_is_readable([t.key for t in saves]))
+
+
 def test_a_device_error_reaches_the_caller_and_revokes_the_step() -> None:
     store = MemoryStore()
     caches = Caches(num_blocks=8, seed=17)

@@ -65,8 +65,10 @@ def test_options_are_validated() -> None:
         PipelineOptions(granularity="block")  # type: ignore[arg-type]
     assert PipelineOptions() == PipelineOptions(
         backlog=8, prefetch_layers=2, max_transfer_blocks=0, max_transfer_bytes=0,
-        granularity="staged", staging_bytes=256 << 20,
+        granularity="staged", staging_bytes=256 << 20, full_pool_pause_s=1.0,
     )  # fmt: skip
+    with pytest.raises(ValueError, match="full_pool_pause_s must be >= 0"):
+        PipelineOptions(full_pool_pause_s=-0.5)
     with pytest.raises(ValueError, match="max_transfer_pieces must be >= 0"):
         PipelineOptions(max_transfer_pieces=-1)
 

@@ -25,7 +25,7 @@ from hybridkv.transport.ownership import (
     Ownership,
     RequestTracker,
 )
-from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, Worker
+from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, PoolPressure, Worker
 from hybridkv.transport.sessions import (
     LayerwiseStagedReads,
     Outcome,
@@ -119,6 +119,7 @@ class TransferEngine:
         self._registered: list[int] = []
         self._register_buffers()
         self.backlog = Backlog(self.options.backlog)
+        self._pressure = PoolPressure(self.options.full_pool_pause_s)
         self._ownership = Ownership()
         self._tracker = RequestTracker()
         self._lock = threading.Lock()
@@ -142,14 +143,16 @@ class TransferEngine:
         )
 
         def work() -> None:
+            ran = False
             try:
                 if ready is not None:
                     ready.synchronize()
-                writes.prepare()
-                writes.write_all()
+                ran = self._prepare(writes)
+                if ran:
+                    writes.write_all()
             finally:
                 writes.unstage()
-                self._settle(claim, writes)
+                self._settle(claim, writes, ran)
 
         return Ticket([self._sender.submit(work)], [outcome])
 
@@ -303,8 +306,20 @@ class TransferEngine:
         self._tracker.end("save", _requests(claim.done))
         return claim, outcome
 
-    def _settle(self, claim: Claim, writes: Writes) -> None:
-        """Release the writers' and riders' counts whatever happened to the writes."""
+    def _prepare(self, writes: Writes) -> bool:
+        """Prepare `writes`, or fail them all at once while a full pool pauses saves;
+        returns whether they run."""
+        if self._pressure.paused():
+            writes.fail_all(writes.batches.values())
+            return False
+        writes.prepare()
+        return True
+
+    def _settle(self, claim: Claim, writes: Writes, ran: bool) -> None:
+        """Release the writers' and riders' counts whatever happened to the writes; a save
+        that ran tells the pool pressure whether the pool had room."""
+        if ran:
+            self._pressure.settled(writes.outcome.no_space)
         for transfer in claim.write:
             committed = transfer.key in writes.committed
             riders = self._ownership.settle(transfer.key, committed)
@@ -367,7 +382,11 @@ class LayerwiseStep:
         if self._reads.batches:
             self._jobs.append(engine._receiver.submit(self._reads.start))
             self._schedule_reads(options.prefetch_layers + 1)
-        self._jobs.append(engine._sender.submit(self._writes.prepare))
+        self._writes_run = False
+        self._jobs.append(engine._sender.submit(self._prepare_writes))
+
+    def _prepare_writes(self) -> None:
+        self._writes_run = self._engine._prepare(self._writes)
 
     def wait_layer_loaded(self, layer: int, ready: Event | None = None) -> dict[int, set[int]]:
         """Block until every load this layer needs is done; returns failed local blocks.
@@ -448,7 +467,7 @@ class LayerwiseStep:
                 self._writes.abort()
             finally:
                 self._writes.unstage()
-                engine._settle(self._claim, self._writes)
+                engine._settle(self._claim, self._writes, self._writes_run)
 
         self._jobs.append(engine._receiver.submit(end_reads))
         self._jobs.append(engine._sender.submit(end_writes))

@@ -1,4 +1,5 @@
-"""Background send/receive threads, the save backlog bound, and batch splitting.
+"""Background send/receive threads, the save backlog bound, a full pool's pause of saves,
+and batch splitting.
 
 Every store call of the engine runs on one of two FIFO worker threads, so the model thread
 never blocks on I/O except where it must (a layer it is about to use, a full backlog). A
@@ -8,12 +9,16 @@ itself survives and keeps draining its queue, so one bad job never hangs the job
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 Granularity = Literal["staged", "layer", "group"]
 GRANULARITIES = ("staged", "layer", "group")
@@ -39,6 +44,9 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
       layer) once all its layers are ready (saves) or before its first layer (loads).
     `backlog`: layer saves that may be outstanding at a checkpoint (0: none, i.e. every
     checkpoint waits for all saves queued so far).
+    `full_pool_pause_s`: after the pool answered a save with "no space", saves starting
+    within this many seconds fail at once, with no copy and no store call; the first save
+    after it tries again (0: never pause).
     """
 
     backlog: int = 8
@@ -50,10 +58,11 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_transfer_pieces: int = 1024
     granularity: Granularity = "staged"
     staging_bytes: int = 256 << 20
+    full_pool_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
         limits = ("backlog", "prefetch_layers", "max_transfer_blocks", "max_transfer_bytes",
-                  "max_transfer_pieces", "staging_bytes")  # fmt: skip
+                  "max_transfer_pieces", "staging_bytes", "full_pool_pause_s")  # fmt: skip
         for name in limits:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
@@ -147,6 +156,36 @@ class Worker:
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
             job.run()
+
+
+class PoolPressure:
+    """Whether saves pause because the pool is full.
+
+    Mooncake answers a put it has no room for with NO_SPACE only after the caller paid for
+    it (a staging copy, a master round trip, a warning); while its eviction catches up,
+    every save would pay again. A save that met NO_SPACE pauses saves for `pause_s`; the
+    first one after the pause tries the pool again.
+    """
+
+    def __init__(self, pause_s: float) -> None:
+        self._pause_s = pause_s
+        self._lock = threading.Lock()
+        self._until: float | None = None
+
+    def paused(self) -> bool:
+        with self._lock:
+            return self._until is not None and time.monotonic() < self._until
+
+    def settled(self, no_space: bool) -> None:
+        """A save that ran (was not paused) settled; `no_space`: the pool refused some key."""
+        with self._lock:
+            if no_space and self._pause_s > 0:
+                if self._until is None:
+                    log.warning("the pool is full: saves pause for %.1f s at a time", self._pause_s)
+                self._until = time.monotonic() + self._pause_s
+            elif not no_space and self._until is not None:
+                self._until = None
+                log.info("the pool took a save again: saves resume")
 
 
 class Backlog:

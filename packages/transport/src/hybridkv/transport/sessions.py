@@ -82,6 +82,7 @@ class Outcome:
         self._result = TransferResult()
         self._started = time.perf_counter()
         self._riding = 0  # saves riding on another transfer's write of the same key
+        self.no_space = False  # the pool refused some key for want of room
 
     def ride(self, count: int) -> None:
         with self._lock:
@@ -453,6 +454,7 @@ class Transfers:
                 self.outcome.moved(nbytes)
             else:
                 failed.append((batch, row))
+        self.outcome.no_space |= Status.NO_SPACE in statuses
         _log_failures(operation, statuses)
         return failed
 
@@ -604,6 +606,8 @@ class RangedWrites(Writes):
                 log.warning("put_session_start failed: %s", exc)
                 self._revoke(call.keys[part])
                 statuses = [Status.OTHER] * len(call.keys[part])
+            self.outcome.no_space |= Status.NO_SPACE in statuses
+            _log_failures("put_session_start", [s for s in statuses if s is not Status.EXISTS])
             for placed, status in zip(call.rows[part], statuses, strict=True):
                 if status is Status.EXISTS:
                     exists.append(placed)
