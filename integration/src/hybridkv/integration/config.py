@@ -116,7 +116,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         Host caches: "staged" (one piece per object; objects that are one run of cache
         memory move in place). Device caches have no host copy, so a piece per layer and
         cache entry, unless the object is one run of memory (`contiguous`: every group has
-        a block-outermost layout). Over TCP each piece costs ~25 us, so "group" (one
+        a block-outermost layout). Over TCP each piece costs ~30-40 us, so "group" (one
         multi-buffer call per group) wins whenever the layer overlap cannot pay for the
         pieces: whole-block steps, and layerwise steps whose objects are single pieces.
         Layerwise steps over RDMA, or with objects in many pieces, use "layer": each

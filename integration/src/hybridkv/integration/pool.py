@@ -47,7 +47,7 @@ class Pool:
     store: Store
     master: MasterProcess | None = None
     files: list[Path] = field(default_factory=list)
-    # Pieces are cheap over RDMA (they cost ~25 us each over TCP): see `granularity_for`.
+    # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see `granularity_for`.
     rdma: bool = False
 
     def close(self) -> None:
