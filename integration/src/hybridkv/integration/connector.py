@@ -181,8 +181,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         This instance moves to new keys at once (saves still in flight land under keys it
         never asks for again), and worker rank 0 removes every object of this model and
-        layout from the pool, so that other instances do not load them either. False, so
-        that vLLM reports the reset as failed, if that removal did not happen.
+        layout from the pool that no read holds a lease on, so that other instances do not
+        load them either. False, so that vLLM reports the reset as failed, if that removal
+        did not happen.
         """
         self.scheduler_side.reset()
         if self._announcer is not None:
@@ -263,8 +264,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 atexit.register(path.unlink, missing_ok=True)  # if vLLM never calls shutdown
 
     def _remove_from_pool(self, prefixes: Sequence[str]) -> int:
+        # Not forced: an object read in the last lease period may still be in flight to
+        # another instance, and freeing it could hand its memory to a new put mid-read.
         store = self.worker_side.engine.store
-        return sum(store.remove_by_prefix(prefix, force=True) for prefix in prefixes)
+        return sum(store.remove_by_prefix(prefix) for prefix in prefixes)
 
     def _strategy(self, engine: TransferEngine, device: str) -> TransferStrategy:
         if self.config.use_layerwise:
