@@ -37,11 +37,13 @@ def test_every_key_is_accepted() -> None:
             "store": "memory",
             "staging_bytes": "64MB",
             "granularity": "group",
+            "full_pool_pause_s": 0.5,
         }
     )
     assert config.layerwise_prefetch_layers == 3
     assert config.namespace == "tenant-a"
     assert config.pipeline_options("cpu").staging_bytes == 64 << 20
+    assert config.pipeline_options("cpu").full_pool_pause_s == 0.5
     assert parse_extra_config({"staging_bytes": 0}).pipeline_options("cpu").staging_bytes == 0
 
 
@@ -66,6 +68,7 @@ def test_every_key_is_accepted() -> None:
         ({"staging_bytes": -1}, "staging_bytes"),
         ({"staging_bytes": "lots"}, "staging_bytes"),
         ({"granularity": "bytes"}, "granularity"),
+        ({"full_pool_pause_s": -1}, "full_pool_pause_s"),
     ],
 )
 def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:

@@ -46,6 +46,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # How objects meet the store ("auto": chosen per device, protocol and cache layout,
     # see `granularity_for`); "staged" needs host caches.
     granularity: Granularity | Literal["auto"] = "auto"
+    # After the pool refused a save for want of room, saves pause this many seconds.
+    full_pool_pause_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # kv_role "kv_consumer" (a decode instance) neither saves nor loads unless told to.
     consumer_is_to_put: bool = False
     consumer_is_to_load: bool = False
@@ -107,6 +109,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             max_transfer_blocks=self.layerwise_max_transfer_blocks,
             max_transfer_bytes=self.layerwise_max_transfer_bytes,
             staging_bytes=self.staging_bytes,
+            full_pool_pause_s=self.full_pool_pause_s,
         )
 
     def granularity_for(self, device: str, rdma: bool, contiguous: bool) -> Granularity:
