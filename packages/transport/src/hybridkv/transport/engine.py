@@ -143,16 +143,15 @@ class TransferEngine:
         )
 
         def work() -> None:
-            ran = False
             try:
                 if ready is not None:
                     ready.synchronize()
-                ran = self._prepare(writes)
-                if ran:
+                self._prepare(writes)
+                if writes.prepared:
                     writes.write_all()
             finally:
                 writes.unstage()
-                self._settle(claim, writes, ran)
+                self._settle(claim, writes)
 
         return Ticket([self._sender.submit(work)], [outcome])
 
@@ -306,19 +305,17 @@ class TransferEngine:
         self._tracker.end("save", _requests(claim.done))
         return claim, outcome
 
-    def _prepare(self, writes: Writes) -> bool:
-        """Prepare `writes`, or fail them all at once while a full pool pauses saves;
-        returns whether they run."""
+    def _prepare(self, writes: Writes) -> None:
+        """Prepare `writes`, or fail them all at once while a full pool pauses saves."""
         if self._pressure.paused():
             writes.fail_all(writes.batches.values())
-            return False
-        writes.prepare()
-        return True
+        else:
+            writes.prepare()
 
-    def _settle(self, claim: Claim, writes: Writes, ran: bool) -> None:
+    def _settle(self, claim: Claim, writes: Writes) -> None:
         """Release the writers' and riders' counts whatever happened to the writes; a save
         that ran tells the pool pressure whether the pool had room."""
-        if ran:
+        if writes.prepared:
             self._pressure.settled(writes.outcome.no_space)
         for transfer in claim.write:
             committed = transfer.key in writes.committed
@@ -382,11 +379,7 @@ class LayerwiseStep:
         if self._reads.batches:
             self._jobs.append(engine._receiver.submit(self._reads.start))
             self._schedule_reads(options.prefetch_layers + 1)
-        self._writes_run = False
-        self._jobs.append(engine._sender.submit(self._prepare_writes))
-
-    def _prepare_writes(self) -> None:
-        self._writes_run = self._engine._prepare(self._writes)
+        self._jobs.append(engine._sender.submit(functools.partial(engine._prepare, self._writes)))
 
     def wait_layer_loaded(self, layer: int, ready: Event | None = None) -> dict[int, set[int]]:
         """Block until every load this layer needs is done; returns failed local blocks.
@@ -467,7 +460,7 @@ class LayerwiseStep:
                 self._writes.abort()
             finally:
                 self._writes.unstage()
-                engine._settle(self._claim, self._writes, self._writes_run)
+                engine._settle(self._claim, self._writes)
 
         self._jobs.append(engine._receiver.submit(end_reads))
         self._jobs.append(engine._sender.submit(end_writes))

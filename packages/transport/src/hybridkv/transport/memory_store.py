@@ -62,6 +62,10 @@ class _Object:
         self.address = ctypes.addressof(self.buffer)
         self.lease_until = 0.0
 
+    def leased(self) -> bool:
+        """A read's lease holds it: only a forced removal takes it."""
+        return self.lease_until > time.monotonic()
+
     def ranges_fit(self, sizes: Sizes, offsets: Offsets) -> bool:
         return len(sizes) > 0 and all(
             size >= 0 and offset >= 0 and offset + size <= self.size
@@ -257,7 +261,7 @@ class MemoryStore:
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
         def remove(index: int, key: str) -> Status:
             status = self._readable(key)
-            leased = status.ok and self._committed[key].lease_until > time.monotonic()
+            leased = status.ok and self._committed[key].leased()
             if leased and not force:
                 return Status.LEASED
             if status.ok:
@@ -270,11 +274,10 @@ class MemoryStore:
         check_prefix(prefix)
         with self._lock:
             self._check_open()
-            now = time.monotonic()
             doomed = [
                 key
                 for key, item in self._committed.items()
-                if key.startswith(prefix) and (force or item.lease_until <= now)
+                if key.startswith(prefix) and (force or not item.leased())
             ]
             for key in doomed:
                 self._used -= self._committed.pop(key).size

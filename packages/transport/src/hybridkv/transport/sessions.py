@@ -515,6 +515,7 @@ class Writes(Transfers, ABC):
         super().__init__(store, options, batches, outcome, pool)
         self._missing = {group: set(batch.layout.layers) for group, batch in batches.items()}
         self.committed: set[str] = set()
+        self.prepared = False  # ran (not failed at once while a full pool pauses saves)
 
     @property
     def layers(self) -> set[int]:
@@ -531,6 +532,7 @@ class Writes(Transfers, ABC):
 
     def prepare(self) -> None:
         """Skip keys the pool already holds (one existence query), then open the rest."""
+        self.prepared = True
         keys = [key for batch in self.batches.values() for key in batch.keys]
         try:
             readable = iter(self.store.batch_is_readable(keys) if keys else [])
