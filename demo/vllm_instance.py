@@ -65,6 +65,8 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     steps: list[Step] = msgspec.field(default_factory=list)
     # report the KV cache group kinds by vLLM group id (in-process engines only)
     report_kv_groups: bool = False
+    # >1: one worker process per rank (vLLM's "mp" executor)
+    tensor_parallel_size: int = 1
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -251,6 +253,8 @@ def _build_llm(spec: InstanceSpec) -> Any:
         disable_log_stats=False,  # the external-hit counter lives in the stats
         kv_transfer_config=transfer,
         seed=0,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        distributed_executor_backend="mp" if spec.tensor_parallel_size > 1 else None,
     )
 
 

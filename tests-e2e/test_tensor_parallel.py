@@ -1,0 +1,184 @@
+"""Tensor parallelism: two worker processes per instance, each moving its own share.
+
+A writer and a reader, each vLLM with ``tensor_parallel_size=2`` (the "mp" executor: one
+worker process per rank besides the engine core), share prefixes through the pool, and
+the reader's output is compared with a cold TP=2 run. Two shapes:
+
+- "split": four query and two KV heads, so each rank holds one KV head and stores objects
+  of its own head only;
+- "replicated": one KV head for two ranks (both hold a copy: only one stores it), plus
+  conv state that vLLM shards over the ranks (each rank stores its own part).
+
+The negative control corrupts only the objects of the second rank's head: the reader's
+output must change, so that rank does load its own objects (had it loaded the first
+rank's, or nothing, the clean prompt would not match either). A TP=1 instance must find
+nothing a TP=2 instance wrote: the layout digest keeps them apart.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinymodels
+from conftest import Pool
+from scenario import BLOCK, CHANGED, LOGPROB_TOLERANCE, MAX_NUM_BATCHED_TOKENS, logprob_gap
+from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
+
+from hybridkv.keys import parse_key
+
+RANKS = 2
+# shape -> (model, hidden size): head count is hidden // 64, KV heads half of that
+SHAPES = {"split": ("llama", 256), "replicated": ("lfm2", 128)}
+# Greedy hits are multiples of the 64-token prefill chunk, as in the main scenario.
+PROMPTS = {
+    "clean": tinymodels.prompt_ids(50, 346),  # hit 320: ten blocks, five chunks
+    "second_rank_corrupted": tinymodels.prompt_ids(51, 257),  # hit 256
+}
+EXPECTED_HITS = {"clean": 320, "second_rank_corrupted": 256}
+
+
+def _thread_binding() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for RANKS workers: the allowed CPUs split between them
+    (vLLM's automatic binding wants a NUMA node per worker; CI machines have one)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < RANKS:
+        cpus = cpus * RANKS
+    return "|".join(",".join(map(str, part)) for part in np.array_split(cpus, RANKS))
+
+
+@dataclass
+class TensorParallelRun:
+    keys: dict[str, list[str]]  # the writer's new pool keys, by prompt
+    reader: dict[str, PromptResult]
+    cold: dict[str, PromptResult]
+    single_rank_hits: dict[str, int]  # a TP=1 reader of the same namespace
+
+
+def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
+    model, hidden = SHAPES[shape]
+    built = tinymodels.build(model, models, layers=4, hidden=hidden)
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(pool.config_path),
+        "VLLM_CPU_OMP_THREADS_BIND": _thread_binding(),
+    }
+
+    def spec(steps: list[Step], connected: bool = True, ranks: int = RANKS) -> InstanceSpec:
+        return InstanceSpec(
+            model=str(built.path),
+            block_size=BLOCK,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            connector={"namespace": f"tp-{shape}"} if connected else None,
+            master_http=pool.http,
+            steps=steps,
+            tensor_parallel_size=ranks,
+        )
+
+    before = set(list_pool_keys(pool.http))
+    steps = [Step(prompts=[prompt], snapshot_keys=True) for prompt in PROMPTS.values()]
+    written = run_instance(spec(steps), runs, f"tp-{shape}-writer", env)
+    keys: dict[str, list[str]] = {}
+    for name, step in zip(PROMPTS, written.steps, strict=True):
+        assert step.keys is not None
+        keys[name] = sorted(set(step.keys) - before)
+        before = set(step.keys)
+
+    last_head = [k for k in keys["second_rank_corrupted"] if parse_key(k).head == RANKS - 1]
+    assert last_head, f"the second rank stored nothing: {keys['second_rank_corrupted']}"
+    pool.surgeon.corrupt(last_head)
+
+    everything = [Step(prompts=list(PROMPTS.values()))]
+    read = run_instance(spec(everything), runs, f"tp-{shape}-reader", env)
+    cold = run_instance(spec(everything, connected=False), runs, f"tp-{shape}-cold", env)
+    single = run_instance(
+        spec(everything, ranks=1),
+        runs,
+        f"tp-{shape}-single-rank",
+        {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
+    )
+    return TensorParallelRun(
+        keys=keys,
+        reader=dict(zip(PROMPTS, read.steps[0].prompts, strict=True)),
+        cold=dict(zip(PROMPTS, cold.steps[0].prompts, strict=True)),
+        single_rank_hits={
+            name: result.external_hit_tokens
+            for name, result in zip(PROMPTS, single.steps[0].prompts, strict=True)
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(
+    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+) -> dict[str, TensorParallelRun | Exception]:
+    outcomes: dict[str, TensorParallelRun | Exception] = {}
+    for shape in SHAPES:
+        try:
+            outcomes[shape] = _run(pool, models_dir, runs_dir, shape)
+        except Exception as error:  # each test reports its shape's failure
+            outcomes[shape] = error
+    return outcomes
+
+
+def _outcome(runs: dict[str, TensorParallelRun | Exception], shape: str) -> TensorParallelRun:
+    outcome = runs[shape]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _heads(keys: list[str]) -> dict[int, set[int]]:
+    """Stored heads by KV cache group."""
+    heads: dict[int, set[int]] = {}
+    for key in keys:
+        parsed = parse_key(key)
+        group = getattr(parsed, "group", 0)
+        heads.setdefault(group, set()).add(parsed.head)
+    return heads
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_rank_loads_its_own_share_with_identical_output(
+    runs: dict[str, TensorParallelRun | Exception], shape: str
+) -> None:
+    run = _outcome(runs, shape)
+    got, cold = run.reader["clean"], run.cold["clean"]
+    assert got.external_hit_tokens == EXPECTED_HITS["clean"]
+    assert got.token_ids == cold.token_ids
+    assert logprob_gap(got, cold) <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_second_rank_objects_are_the_ones_it_loads(
+    runs: dict[str, TensorParallelRun | Exception], shape: str
+) -> None:
+    run = _outcome(runs, shape)
+    got = run.reader["second_rank_corrupted"]
+    assert got.external_hit_tokens == EXPECTED_HITS["second_rank_corrupted"]
+    assert logprob_gap(got, run.cold["second_rank_corrupted"]) > CHANGED
+
+
+def test_split_heads_are_stored_once_each(
+    runs: dict[str, TensorParallelRun | Exception],
+) -> None:
+    run = _outcome(runs, "split")
+    assert _heads(run.keys["clean"]) == {0: {0, 1}}
+    # ten blocks of 32 tokens (the last token is never stored) for each head
+    assert len(run.keys["clean"]) == RANKS * ((len(PROMPTS["clean"]) - 1) // BLOCK)
+
+
+def test_replicated_head_is_stored_once_and_sharded_state_by_each_rank(
+    runs: dict[str, TensorParallelRun | Exception],
+) -> None:
+    heads = _heads(_outcome(runs, "replicated").keys["clean"])
+    assert sorted(heads.values(), key=len) == [{0}, {0, 1}], heads
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_single_rank_instance_finds_nothing_of_two_ranks(
+    runs: dict[str, TensorParallelRun | Exception], shape: str
+) -> None:
+    assert _outcome(runs, shape).single_rank_hits == dict.fromkeys(PROMPTS, 0)
