@@ -3,6 +3,7 @@ no session, lease or counter leaks, and errors reach the caller."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -226,6 +227,27 @@ def test_saves_resume_after_the_pause_and_a_zero_pause_never_pauses() -> None:
         time.sleep(0.3)
         assert save(engine, saves, "whole").ok  # the pause is over: the pool took it
     assert all(store.batch_is_readable([t.key for t in saves]))
+
+
+def test_a_save_that_moves_nothing_leaves_the_full_pool_episode_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caches, saves = filled_caches_and_saves(seed=21)
+    store = MemoryStore()
+    store.fail_next("batch_put_whole", [saves[0].key], Status.NO_SPACE)
+    with (
+        caplog.at_level(logging.INFO, logger="hybridkv.transport.pipeline"),
+        engine_for(store, caches, "whole", full_pool_pause_s=0.2) as engine,
+    ):
+        assert save(engine, saves, "whole").failed_keys == [saves[0].key]
+        time.sleep(0.3)
+        stored = save(engine, saves[1:], "whole")  # every key already in the pool
+        assert stored.ok
+        assert stored.bytes == 0
+        assert "saves resume" not in caplog.text
+        assert save(engine, saves, "whole").ok  # the refused key fits now
+    assert caplog.text.count("the pool is full") == 1
+    assert "saves resume" in caplog.text
 
 
 def test_a_device_error_reaches_the_caller_and_revokes_the_step() -> None:

@@ -16,7 +16,7 @@ from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.ownership import BlockTransfer
-from hybridkv.transport.pipeline import Granularity, PipelineOptions
+from hybridkv.transport.pipeline import Granularity, PipelineOptions, PoolPressure
 
 LAYERS = 12
 BLOCK = 256
@@ -359,3 +359,16 @@ def test_a_load_never_writes_the_caches_before_its_ready_event(
             target[:3, layer * BLOCK : (layer + 1) * BLOCK] if block_major else target[layer, :3]
         )
         assert np.array_equal(loaded, memory[layer, :3])
+
+
+def test_only_a_save_that_committed_ends_a_full_pool_pause() -> None:
+    pressure = PoolPressure(pause_s=60)
+    pressure.settled(no_space=True, took=True)  # some keys fit, one was refused
+    assert pressure.paused()
+    pressure.settled(no_space=False, took=False)  # moved nothing: every key already stored
+    assert pressure.paused()
+    pressure.settled(no_space=False, took=True)
+    assert not pressure.paused()
+    never = PoolPressure(pause_s=0)
+    never.settled(no_space=True, took=False)
+    assert not never.paused()  # a zero pause never pauses

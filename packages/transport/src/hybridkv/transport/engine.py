@@ -316,7 +316,7 @@ class TransferEngine:
         """Release the writers' and riders' counts whatever happened to the writes; a save
         that ran tells the pool pressure whether the pool had room."""
         if writes.prepared:
-            self._pressure.settled(writes.outcome.no_space)
+            self._pressure.settled(writes.outcome.no_space, took=writes.outcome.moved_any)
         for transfer in claim.write:
             committed = transfer.key in writes.committed
             riders = self._ownership.settle(transfer.key, committed)

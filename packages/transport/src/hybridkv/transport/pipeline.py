@@ -176,14 +176,17 @@ class PoolPressure:
         with self._lock:
             return self._until is not None and time.monotonic() < self._until
 
-    def settled(self, no_space: bool) -> None:
-        """A save that ran (was not paused) settled; `no_space`: the pool refused some key."""
+    def settled(self, no_space: bool, took: bool) -> None:
+        """A save that ran (was not paused) settled; `no_space`: the pool refused some key;
+        `took`: it moved bytes into the pool. Only that shows the pool has room again: a
+        save that moved nothing (every key already stored, or failed otherwise), perhaps
+        started before the refusal, leaves the pause as it is."""
         with self._lock:
             if no_space and self._pause_s > 0:
                 if self._until is None:
                     log.warning("the pool is full: saves pause for %.1f s at a time", self._pause_s)
                 self._until = time.monotonic() + self._pause_s
-            elif not no_space and self._until is not None:
+            elif not no_space and took and self._until is not None:
                 self._until = None
                 log.info("the pool took a save again: saves resume")
 

@@ -111,6 +111,11 @@ class Outcome:
         with self._lock:
             self._result.bytes += nbytes
 
+    @property
+    def moved_any(self) -> bool:
+        with self._lock:
+            return self._result.bytes > 0
+
     def skipped(self, keys: Iterable[str]) -> None:
         with self._lock:
             self._result.skipped_keys.extend(keys)
