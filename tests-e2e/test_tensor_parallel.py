@@ -2,7 +2,8 @@
 
 A writer and a reader, each vLLM with ``tensor_parallel_size=2`` (the "mp" executor: one
 worker process per rank besides the engine core), share prefixes through the pool, and
-the reader's output is compared with a cold TP=2 run. Two shapes:
+the reader's output is compared with a cold TP=2 run. The writer saves whole blocks, the
+reader loads layer by layer. Two shapes:
 
 - "split": four query and two KV heads, so each rank holds one KV head and stores objects
   of its own head only;
@@ -39,6 +40,9 @@ PROMPTS = {
     "second_rank_corrupted": tinymodels.prompt_ids(51, 257),  # hit 256
 }
 EXPECTED_HITS = {"clean": 320, "second_rank_corrupted": 256}
+# The writer saves whole blocks after each step, the reader loads layer by layer.
+WRITER: dict[str, object] = {"use_layerwise": False}
+READER: dict[str, object] = {"use_layerwise": True}
 
 
 def _thread_binding() -> str:
@@ -66,12 +70,14 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
         "VLLM_CPU_OMP_THREADS_BIND": _thread_binding(),
     }
 
-    def spec(steps: list[Step], connected: bool = True, ranks: int = RANKS) -> InstanceSpec:
+    def spec(
+        steps: list[Step], connector: dict[str, object] | None, ranks: int = RANKS
+    ) -> InstanceSpec:
         return InstanceSpec(
             model=str(built.path),
             block_size=BLOCK,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            connector={"namespace": f"tp-{shape}"} if connected else None,
+            connector=None if connector is None else {"namespace": f"tp-{shape}", **connector},
             master_http=pool.http,
             steps=steps,
             tensor_parallel_size=ranks,
@@ -79,7 +85,7 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
 
     before = set(list_pool_keys(pool.http))
     steps = [Step(prompts=[prompt], snapshot_keys=True) for prompt in PROMPTS.values()]
-    written = run_instance(spec(steps), runs, f"tp-{shape}-writer", env)
+    written = run_instance(spec(steps, WRITER), runs, f"tp-{shape}-writer", env)
     keys: dict[str, list[str]] = {}
     for name, step in zip(PROMPTS, written.steps, strict=True):
         assert step.keys is not None
@@ -91,10 +97,10 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
     pool.surgeon.corrupt(last_head)
 
     everything = [Step(prompts=list(PROMPTS.values()))]
-    read = run_instance(spec(everything), runs, f"tp-{shape}-reader", env)
-    cold = run_instance(spec(everything, connected=False), runs, f"tp-{shape}-cold", env)
+    read = run_instance(spec(everything, READER), runs, f"tp-{shape}-reader", env)
+    cold = run_instance(spec(everything, None), runs, f"tp-{shape}-cold", env)
     single = run_instance(
-        spec(everything, ranks=1),
+        spec(everything, READER, ranks=1),
         runs,
         f"tp-{shape}-single-rank",
         {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
