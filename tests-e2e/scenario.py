@@ -10,6 +10,7 @@ by ~5e-3 in logprob, measured) and lets every comparison be exact.
 from __future__ import annotations
 
 import json
+import os
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -86,6 +87,17 @@ class Reference:
     kv_groups: list[str]
 
 
+def thread_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers: the allowed CPUs split between
+    them (vLLM's automatic binding wants a NUMA node per worker; CI machines have one)."""
+    if ranks == 1:
+        return "auto"  # vLLM's own choice
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        cpus = cpus * ranks
+    return "|".join(",".join(map(str, part)) for part in np.array_split(cpus, ranks))
+
+
 def logprob_gap(a: PromptResult, b: PromptResult) -> float:
     """Largest logprob difference over tokens both runs report (inf if tokens differ)."""
     if a.token_ids != b.token_ids:
@@ -147,13 +159,17 @@ class Surgeon:
         if bad:
             raise AssertionError(f"remove failed: {bad}")
 
-    def corrupt(self, keys: list[str], seed: int = 7) -> None:
-        """Replace each object by float32 noise of the KV's scale, same size, same key."""
+    def corrupt(self, keys: list[str], seed: int = 7, bfloat16: bool = False) -> None:
+        """Replace each object by noise of the KV's scale and dtype (float32, or bfloat16:
+        float32's upper halves; float32 bytes read as bfloat16 hold NaNs), same size and key."""
         rng = np.random.default_rng(seed)
         for key in keys:
             original = self.read(key)
             size = len(original)
-            noise = rng.standard_normal(size // 4, dtype=np.float32).view(np.uint8)
+            values = rng.standard_normal(size // (2 if bfloat16 else 4), dtype=np.float32)
+            if bfloat16:
+                values = (values.view(np.uint32) >> 16).astype(np.uint16)
+            noise = values.view(np.uint8)
             buffer = self._scratch(size)
             buffer[: noise.size] = noise
             buffer[noise.size : size] = 0

@@ -18,15 +18,20 @@ nothing a TP=2 instance wrote: the layout digest keeps them apart.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import BLOCK, CHANGED, LOGPROB_TOLERANCE, MAX_NUM_BATCHED_TOKENS, logprob_gap
+from scenario import (
+    BLOCK,
+    CHANGED,
+    LOGPROB_TOLERANCE,
+    MAX_NUM_BATCHED_TOKENS,
+    logprob_gap,
+    thread_binding,
+)
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
 
 from hybridkv.keys import parse_key
@@ -45,15 +50,6 @@ WRITER: dict[str, object] = {"use_layerwise": False}
 READER: dict[str, object] = {"use_layerwise": True}
 
 
-def _thread_binding() -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for RANKS workers: the allowed CPUs split between them
-    (vLLM's automatic binding wants a NUMA node per worker; CI machines have one)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < RANKS:
-        cpus = cpus * RANKS
-    return "|".join(",".join(map(str, part)) for part in np.array_split(cpus, RANKS))
-
-
 @dataclass
 class TensorParallelRun:
     keys: dict[str, list[str]]  # the writer's new pool keys, by prompt
@@ -67,7 +63,7 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
     built = tinymodels.build(model, models, layers=4, hidden=hidden)
     env = {
         "MOONCAKE_CONFIG_PATH": str(pool.config_path),
-        "VLLM_CPU_OMP_THREADS_BIND": _thread_binding(),
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(RANKS),
     }
 
     def spec(
