@@ -58,7 +58,7 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # On the CPU backend this is the share of RAM that must be free at start-up; the KV
     # cache itself is sized by VLLM_CPU_KVCACHE_SPACE.
     memory_utilization: float = 0.2
-    # kv_connector_extra_config of the HybridKVConnector; None: no connector at all
+    # kv_connector_extra_config of the connector; None: no connector at all
     connector: dict[str, Any] | None = None
     # the connector class by vLLM's registered name; another than hybridkv's (e.g. vLLM's
     # reference ExampleConnector) serves as an oracle for what a load must produce

@@ -29,6 +29,7 @@ from scenario import (
     CHANGED,
     LOGPROB_TOLERANCE,
     MAX_NUM_BATCHED_TOKENS,
+    group_of,
     logprob_gap,
     thread_binding,
 )
@@ -136,9 +137,7 @@ def _heads(keys: list[str]) -> dict[int, set[int]]:
     """Stored heads by KV cache group."""
     heads: dict[int, set[int]] = {}
     for key in keys:
-        parsed = parse_key(key)
-        group = getattr(parsed, "group", 0)
-        heads.setdefault(group, set()).add(parsed.head)
+        heads.setdefault(group_of(key), set()).add(parse_key(key).head)
     return heads
 
 
