@@ -13,13 +13,14 @@ import json
 import os
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tinymodels
-from vllm_instance import PromptResult
+from vllm_instance import PromptResult, StepResult
 
 from hybridkv.keys import HybridKey, parse_key
 from hybridkv.transport import MooncakeStore, Status
@@ -96,6 +97,19 @@ def thread_binding(ranks: int) -> str:
     if len(cpus) < ranks:
         cpus = cpus * ranks
     return "|".join(",".join(map(str, part)) for part in np.array_split(cpus, ranks))
+
+
+def keys_added_by_step(
+    names: Iterable[str], steps: Sequence[StepResult], before: set[str]
+) -> dict[str, list[str]]:
+    """The pool keys each step added, by step name: its key snapshot minus the previous
+    one's (`before`: the pool's keys when the first step started)."""
+    added: dict[str, list[str]] = {}
+    for name, step in zip(names, steps, strict=True):
+        assert step.keys is not None, f"step {name!r} took no key snapshot"
+        added[name] = sorted(set(step.keys) - before)
+        before = set(step.keys)
+    return added
 
 
 def logprob_gap(a: PromptResult, b: PromptResult) -> float:

@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, LOGPROB_TOLERANCE, logprob_gap, thread_binding
+from scenario import (
+    CHANGED,
+    LOGPROB_TOLERANCE,
+    keys_added_by_step,
+    logprob_gap,
+    thread_binding,
+)
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
 
 from hybridkv.keys import BlockKey, parse_key
@@ -71,11 +77,7 @@ def mla(
     per_prompt = [Step(prompts=[p], snapshot_keys=True) for p in PROMPTS.values()]
     hybridkv = "HybridKVConnector"
     written = run("writer", per_prompt, {"namespace": namespace}, hybridkv)
-    keys: dict[str, list[str]] = {}
-    for name, step in zip(PROMPTS, written.steps, strict=True):
-        assert step.keys is not None
-        keys[name] = sorted(set(step.keys) - before)
-        before = set(step.keys)
+    keys = keys_added_by_step(PROMPTS, written.steps, before)
     pool.surgeon.corrupt(keys["corrupted"])
 
     layerwise = {"namespace": namespace, "use_layerwise": True}

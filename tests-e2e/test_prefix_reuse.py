@@ -26,6 +26,7 @@ from scenario import (
     WRITER_STEPS,
     Reference,
     group_of,
+    keys_added_by_step,
     logprob_gap,
 )
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
@@ -120,12 +121,8 @@ class _Exchanges:
         )
         before = set(list_pool_keys(self._pool.http))
         written = run_instance(writer_spec, self._runs, f"{name}-writer", env, timeout_s=300)
-        writer_keys: dict[str, list[str]] = {}
-        for (step_name, _), step in zip(WRITER_STEPS, written.steps, strict=True):
-            assert step.keys is not None
-            after = set(step.keys)
-            writer_keys[step_name] = sorted(after - before)
-            before = after
+        names = [step_name for step_name, _ in WRITER_STEPS]
+        writer_keys = keys_added_by_step(names, written.steps, before)
         empty = [step for step, keys in writer_keys.items() if not keys]
         if empty:  # nothing to tamper with: the controls below would prove nothing
             raise AssertionError(f"writer steps {empty} stored no new object")

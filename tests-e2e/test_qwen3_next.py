@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, LOGPROB_TOLERANCE, group_of, logprob_gap
+from scenario import CHANGED, LOGPROB_TOLERANCE, group_of, keys_added_by_step, logprob_gap
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
 
 BLOCK = 640  # vLLM's choice for this model: the attention page matched to the state's
@@ -59,11 +59,7 @@ def qwen3_next(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -
     before = set(list_pool_keys(pool.http))
     per_prompt = [Step(prompts=[p], snapshot_keys=True) for p in PROMPTS.values()]
     written = run("writer", per_prompt, {"namespace": "qwen3-next"})
-    keys: dict[str, list[str]] = {}
-    for name, step in zip(PROMPTS, written.steps, strict=True):
-        assert step.keys is not None
-        keys[name] = sorted(set(step.keys) - before)
-        before = set(step.keys)
+    keys = keys_added_by_step(PROMPTS, written.steps, before)
     kv_groups = written.kv_groups or []
     state = [k for k in keys["state_corrupted"] if kv_groups[group_of(k)] == STATE_GROUP]
     assert state, f"no recurrent-state object among {keys['state_corrupted']}"

@@ -30,6 +30,7 @@ from scenario import (
     LOGPROB_TOLERANCE,
     MAX_NUM_BATCHED_TOKENS,
     group_of,
+    keys_added_by_step,
     logprob_gap,
     thread_binding,
 )
@@ -83,11 +84,7 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
     before = set(list_pool_keys(pool.http))
     steps = [Step(prompts=[prompt], snapshot_keys=True) for prompt in PROMPTS.values()]
     written = run_instance(spec(steps, WRITER), runs, f"tp-{shape}-writer", env)
-    keys: dict[str, list[str]] = {}
-    for name, step in zip(PROMPTS, written.steps, strict=True):
-        assert step.keys is not None
-        keys[name] = sorted(set(step.keys) - before)
-        before = set(step.keys)
+    keys = keys_added_by_step(PROMPTS, written.steps, before)
 
     last_head = [k for k in keys["second_rank_corrupted"] if parse_key(k).head == RANKS - 1]
     assert last_head, f"the second rank stored nothing: {keys['second_rank_corrupted']}"

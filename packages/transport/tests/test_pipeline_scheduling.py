@@ -361,7 +361,7 @@ def test_a_load_never_writes_the_caches_before_its_ready_event(
         assert np.array_equal(loaded, memory[layer, :3])
 
 
-def test_only_a_save_that_committed_ends_a_full_pool_pause() -> None:
+def test_only_a_save_that_moved_bytes_ends_a_full_pool_pause() -> None:
     pressure = PoolPressure(pause_s=60)
     pressure.settled(no_space=True, took=True)  # some keys fit, one was refused
     assert pressure.paused()
