@@ -12,11 +12,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save, unique_prefix
-from _engine_model import ALL_GROUPS, Caches, transfers
+from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 
 from hybridkv.transport.engine import TransferEngine
+from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
+from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.ownership import BlockTransfer
 from hybridkv.transport.pipeline import PipelineOptions
@@ -146,6 +148,48 @@ def test_keys_already_in_the_pool_are_skipped_not_rewritten(store: Store, mode: 
         assert read_object(store, transfer.key, size) == first.block_bytes(
             transfer.group, transfer.local_block
         )
+
+
+@pytest.mark.parametrize("late_mode", MODES)
+def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
+    two_clients: tuple[Store, Store], late_mode: str
+) -> None:
+    """Two instances computed the same prefix (same bytes) and save it at the same time:
+    one holds its put sessions open across its layers ("layer"), the other saves all of
+    it meanwhile, in each mode. The late one fails nothing (its session starts are skipped
+    as existing; its whole puts are answered OK over the open sessions); the first commits
+    every object; nothing stays open and every object reads back exactly."""
+    first_store, second_store = two_clients
+    prefix = unique_prefix()
+    blocks = {0: [0, 1], 1: [2], 2: [3, 4]}
+    early, late = Caches(num_blocks=8, seed=5), Caches(num_blocks=8, seed=5)
+    early.fill()
+    late.fill()
+    saves = transfers(blocks, prefix=prefix)
+    with engine_for(first_store, early, "layer") as first:
+        step = first.begin_layerwise(saves=saves)
+        step.save_layer(0, CpuEvent())
+        step.checkpoint()
+        with engine_for(second_store, late, late_mode) as second:
+            meanwhile = save(second, transfers(blocks, "late", prefix), late_mode)
+        for layer in range(1, NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+            step.checkpoint()
+        committed = step.finish()
+    assert meanwhile.ok
+    if late_mode == "layer":  # its sessions could not start: skipped, nothing moved
+        assert sorted(meanwhile.skipped_keys) == sorted(t.key for t in saves)
+        assert meanwhile.bytes == 0
+    assert committed.ok
+    assert not committed.skipped_keys
+    assert second_store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
+    for transfer in saves:
+        size = early.layouts[transfer.group].object_size
+        assert read_object(second_store, transfer.key, size) == early.block_bytes(
+            transfer.group, transfer.local_block
+        )
+    if isinstance(first_store, MemoryStore):
+        assert not first_store.open_put_sessions()
 
 
 @pytest.mark.parametrize(

@@ -238,6 +238,41 @@ def test_a_key_repeated_in_one_session_start_is_exists(store: Store) -> None:
     assert store.put_session_revoke([key]) == [OK]
 
 
+def test_an_open_put_session_belongs_to_the_client_that_opened_it(
+    two_clients: tuple[Store, Store],
+) -> None:
+    """Two instances storing one prefix at once: the first to open a key writes it; the
+    other can neither open, write, end nor revoke it, and its whole put changes nothing."""
+    first, second = two_clients
+    key, mine, theirs = fresh_key(), pattern(2048, 10), pattern(2048, 11)
+    assert first.put_session_start([key], [2048]) == [OK]
+    assert second.put_session_start([key], [2048]) == [Status.EXISTS]
+    assert second.put_ranges([key], [[theirs.ctypes.data]], [[2048]], [[0]]) == [Status.INVALID]
+    assert second.put_session_end([key]) == [Status.INVALID]
+    assert second.put_session_revoke([key]) == [Status.INVALID]
+    assert put_whole(second, key, theirs) is OK  # Mooncake says OK and keeps the session
+    assert second.batch_is_readable([key]) == [False]
+    assert first.put_ranges([key], [[mine.ctypes.data]], [[2048]], [[0]]) == [OK]
+    assert first.put_session_end([key]) == [OK]
+    status, out = get_whole(second, key, 2048)
+    assert status is OK
+    assert np.array_equal(out, mine)
+
+
+def test_a_whole_put_over_a_revoked_session_of_another_client_left_nothing(
+    two_clients: tuple[Store, Store],
+) -> None:
+    first, second = two_clients
+    key, data = fresh_key(), pattern(1024, 12)
+    assert first.put_session_start([key], [1024]) == [OK]
+    assert put_whole(second, key, data) is OK
+    assert first.put_session_revoke([key]) == [OK]
+    assert second.batch_is_readable([key]) == [False]  # the OK above stored nothing
+    assert put_whole(second, key, data) is OK
+    assert first.batch_is_readable([key]) == [True]
+    assert np.array_equal(get_whole(first, key, 1024)[1], data)
+
+
 def test_ranged_calls_need_a_session_and_in_bounds_ranges(store: Store) -> None:
     key, data = fresh_key(), pattern(4096, 9)
     ptr = data.ctypes.data

@@ -56,11 +56,12 @@ class _Fault:
 class _Object:
     """Bytes of one object plus what Mooncake tracks about it."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, writer: int = 0) -> None:
         self.buffer = ctypes.create_string_buffer(size)
         self.size = size
         self.address = ctypes.addressof(self.buffer)
         self.lease_until = 0.0
+        self.writer = writer  # the client whose put session it is in, until committed
 
     def leased(self) -> bool:
         """A read's lease holds it: only a forced removal takes it."""
@@ -82,25 +83,49 @@ def _offsets_of(sizes: Sizes) -> list[int]:
     return offsets
 
 
+class _Pool:
+    """What every client of one in-memory pool shares."""
+
+    def __init__(self, capacity: int | None, lease_ttl_s: float) -> None:
+        self.capacity = capacity
+        self.lease_ttl_s = lease_ttl_s
+        self.lock = threading.Lock()
+        self.committed: dict[str, _Object] = {}
+        self.open_puts: dict[str, _Object] = {}
+        self.faults: list[_Fault] = []
+        self.used = 0
+        self.clients = 0
+
+
 class MemoryStore:
     """In-memory `Store`; `capacity` bytes (None: unbounded) bounds committed + open objects.
 
     `fail_next(...)` makes chosen keys of chosen operations report a chosen status, to
     test how callers handle a full pool, a dead segment or a lost master.
+    `another_client()` joins the same pool as a second client, as another instance would.
     """
 
     def __init__(self, capacity: int | None = None, lease_ttl_s: float = 5.0) -> None:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must not be negative, got {capacity}")
-        self._capacity = capacity
-        self._lease_ttl_s = lease_ttl_s
-        self._lock = threading.Lock()
+        self._join(_Pool(capacity, lease_ttl_s))
+
+    def _join(self, pool: _Pool) -> None:
+        self._pool = pool
+        with pool.lock:
+            pool.clients += 1
+            self._id = pool.clients
         self._closed = False
-        self._committed: dict[str, _Object] = {}
-        self._open_puts: dict[str, _Object] = {}
         self._get_sessions: dict[str, _Object] = {}
-        self._faults: list[_Fault] = []
-        self._used = 0
+
+    def another_client(self) -> MemoryStore:
+        """A second client of this pool, lending it no memory (an instance beside a
+        segment holder): it sees every committed object, but a put session belongs to
+        the client that opened it (another's start reports EXISTS, its ranges, end and
+        revoke INVALID), and closing it only revokes its own open sessions."""
+        client = MemoryStore.__new__(MemoryStore)
+        client._join(self._pool)
+        return client
 
     # -- test hooks -------------------------------------------------------------------
 
@@ -116,33 +141,33 @@ class MemoryStore:
             raise ValueError("fail_next needs a failure status")
         if calls < 1:
             raise ValueError(f"calls must be at least 1, got {calls}")
-        with self._lock:
-            self._faults.append(_Fault(operation, keys, status, calls))
+        with self._pool.lock:
+            self._pool.faults.append(_Fault(operation, keys, status, calls))
 
     def clear_faults(self) -> None:
         """Drop every fault `fail_next` queued that has not fired yet."""
-        with self._lock:
-            self._faults.clear()
+        with self._pool.lock:
+            self._pool.faults.clear()
 
     @property
     def used_bytes(self) -> int:
         """Bytes held by committed and open objects."""
-        with self._lock:
-            return self._used
+        with self._pool.lock:
+            return self._pool.used
 
     def committed_objects(self) -> dict[str, int]:
         """Key -> size of every readable object (what a test may inspect or replace)."""
-        with self._lock:
-            return {key: item.size for key, item in self._committed.items()}
+        with self._pool.lock:
+            return {key: item.size for key, item in self._pool.committed.items()}
 
     def open_put_sessions(self) -> set[str]:
         """Keys allocated but neither committed nor revoked: a leak check for tests."""
-        with self._lock:
-            return set(self._open_puts)
+        with self._pool.lock:
+            return set(self._pool.open_puts)
 
     def open_get_sessions(self) -> set[str]:
         """Keys pinned by `get_session_start` and not yet released."""
-        with self._lock:
+        with self._pool.lock:
             return set(self._get_sessions)
 
     # -- Store protocol ---------------------------------------------------------------
@@ -156,10 +181,10 @@ class MemoryStore:
         self._check_open()
 
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
-        with self._lock:
+        with self._pool.lock:
             self._check_open()
             faults = self._injected("batch_is_readable", keys)
-            return [key not in faults and key in self._committed for key in keys]
+            return [key not in faults and key in self._pool.committed for key in keys]
 
     def batch_put_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
@@ -167,7 +192,7 @@ class MemoryStore:
         check_whole("batch_put_whole", keys, ptrs, sizes)
 
         def put(index: int, key: str) -> Status:
-            if key in self._committed or key in self._open_puts:
+            if key in self._pool.committed or key in self._pool.open_puts:
                 return Status.OK  # Mooncake keeps the old bytes and says OK
             return self._put_whole(key, ptrs[index], sizes[index])
 
@@ -181,11 +206,11 @@ class MemoryStore:
         def get(index: int, key: str) -> Status:
             status = self._readable(key)
             if status.ok:
-                obj = self._committed[key]
+                obj = self._pool.committed[key]
                 if sum(sizes[index]) != obj.size:
                     return Status.INVALID
                 _copy_out(obj, ptrs[index], sizes[index], _offsets_of(sizes[index]))
-                obj.lease_until = time.monotonic() + self._lease_ttl_s
+                obj.lease_until = time.monotonic() + self._pool.lease_ttl_s
             return status
 
         return self._each_key("batch_get_whole", keys, get)
@@ -199,13 +224,17 @@ class MemoryStore:
 
         def start(index: int, key: str) -> Status:
             size = object_sizes[index]
-            if key in self._committed or key in started:
+            if key in self._pool.committed or key in started:
                 return Status.EXISTS  # a repeat within one call, too
-            if key in self._open_puts or size <= 0:
+            if key in self._pool.open_puts:
+                # Mooncake: another client's open session is an existing object; our own
+                # is a session opened twice.
+                return Status.INVALID if self._own_put(key) else Status.EXISTS
+            if size <= 0:
                 return Status.INVALID
             if not self._reserve(size):
                 return Status.NO_SPACE
-            self._open_puts[key] = _Object(size)
+            self._pool.open_puts[key] = _Object(size, writer=self._id)
             started.add(key)
             return Status.OK
 
@@ -218,17 +247,17 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        return self._ranges("put_ranges", self._open_puts, _copy_in, keys, ptrs, sizes, offsets)
+        return self._ranges("put_ranges", self._own_put, _copy_in, keys, ptrs, sizes, offsets)
 
     def put_session_end(self, keys: Sequence[str]) -> list[Status]:
         def commit(key: str) -> None:
-            self._committed[key] = self._open_puts.pop(key)
+            self._pool.committed[key] = self._pool.open_puts.pop(key)
 
         return self._each_open_put("put_session_end", keys, commit)
 
     def put_session_revoke(self, keys: Sequence[str]) -> list[Status]:
         def revoke(key: str) -> None:
-            self._used -= self._open_puts.pop(key).size
+            self._pool.used -= self._pool.open_puts.pop(key).size
 
         return self._each_open_put("put_session_revoke", keys, revoke)
 
@@ -236,8 +265,8 @@ class MemoryStore:
         def pin(index: int, key: str) -> Status:
             status = self._readable(key)
             if status.ok:
-                obj = self._committed[key]
-                obj.lease_until = time.monotonic() + self._lease_ttl_s
+                obj = self._pool.committed[key]
+                obj.lease_until = time.monotonic() + self._pool.lease_ttl_s
                 self._get_sessions[key] = obj
             return status
 
@@ -250,10 +279,12 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        return self._ranges("get_ranges", self._get_sessions, _copy_out, keys, ptrs, sizes, offsets)
+        return self._ranges(
+            "get_ranges", self._get_sessions.get, _copy_out, keys, ptrs, sizes, offsets
+        )
 
     def get_session_end(self, keys: Sequence[str]) -> None:
-        with self._lock:
+        with self._pool.lock:
             self._check_open()
             for key in keys:
                 self._get_sessions.pop(key, None)
@@ -261,35 +292,42 @@ class MemoryStore:
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
         def remove(index: int, key: str) -> Status:
             status = self._readable(key)
-            leased = status.ok and self._committed[key].leased()
+            leased = status.ok and self._pool.committed[key].leased()
             if leased and not force:
                 return Status.LEASED
             if status.ok:
-                self._used -= self._committed.pop(key).size
+                self._pool.used -= self._pool.committed.pop(key).size
             return status
 
         return self._each_key("batch_remove", keys, remove)
 
     def remove_by_prefix(self, prefix: str, force: bool = False) -> int:
         check_prefix(prefix)
-        with self._lock:
+        with self._pool.lock:
             self._check_open()
             doomed = [
                 key
-                for key, item in self._committed.items()
+                for key, item in self._pool.committed.items()
                 if key.startswith(prefix) and (force or not item.leased())
             ]
             for key in doomed:
-                self._used -= self._committed.pop(key).size
+                self._pool.used -= self._pool.committed.pop(key).size
             return len(doomed)
 
     def close(self) -> None:
-        with self._lock:
+        """The first client lends the pool its memory: closing it empties the pool.
+        Another client leaves with only its own open put sessions revoked."""
+        with self._pool.lock:
             self._closed = True
-            self._committed.clear()
-            self._open_puts.clear()
             self._get_sessions.clear()
-            self._used = 0
+            pool = self._pool
+            if self._id == 1:
+                pool.committed.clear()
+                pool.open_puts.clear()
+                pool.used = 0
+                return
+            for key in [key for key, obj in pool.open_puts.items() if obj.writer == self._id]:
+                pool.used -= pool.open_puts.pop(key).size
 
     # -- the shared body of the batch calls --------------------------------------------
 
@@ -297,7 +335,7 @@ class MemoryStore:
         self, operation: str, keys: Sequence[str], answer: Callable[[int, str], Status]
     ) -> list[Status]:
         """Under the lock: an injected fault for a key, else `answer(index, key)`."""
-        with self._lock:
+        with self._pool.lock:
             self._check_open()
             faults = self._injected(operation, keys)
             return [
@@ -308,18 +346,18 @@ class MemoryStore:
     def _ranges(
         self,
         operation: str,
-        sessions: dict[str, _Object],
+        session: Callable[[str], _Object | None],
         copy: Callable[[_Object, Pointers, Sizes, Offsets], None],
         keys: Sequence[str],
         ptrs: Sequence[Pointers],
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        """Copy byte ranges of objects open in `sessions` (put or get) in or out."""
+        """Copy byte ranges of the objects this client has open (`session`: put or get)."""
         check_ranges(operation, keys, ptrs, sizes, offsets)
 
         def move(index: int, key: str) -> Status:
-            obj = sessions.get(key)
+            obj = session(key)
             if obj is None or not obj.ranges_fit(sizes[index], offsets[index]):
                 return Status.INVALID
             copy(obj, ptrs[index], sizes[index], offsets[index])
@@ -333,7 +371,7 @@ class MemoryStore:
         """End the open put session of each key with `settle` (commit or revoke)."""
 
         def end(index: int, key: str) -> Status:
-            if key not in self._open_puts:
+            if self._own_put(key) is None:
                 return Status.INVALID
             settle(key)
             return Status.OK
@@ -349,24 +387,29 @@ class MemoryStore:
     def _injected(self, operation: str, keys: Sequence[str]) -> dict[str, Status]:
         """Statuses forced by `fail_next` for this call, consuming one call of each fault."""
         forced: dict[str, Status] = {}
-        for fault in [fault for fault in self._faults if fault.operation == operation]:
+        for fault in [fault for fault in self._pool.faults if fault.operation == operation]:
             hit = {key: fault.status for key in keys if key not in forced and fault.matches(key)}
             if hit:
                 forced.update(hit)
                 fault.calls_left -= 1
                 if fault.calls_left == 0:
-                    self._faults.remove(fault)
+                    self._pool.faults.remove(fault)
         return forced
 
+    def _own_put(self, key: str) -> _Object | None:
+        """The object of this client's open put session for `key`, if it has one."""
+        obj = self._pool.open_puts.get(key)
+        return obj if obj is not None and obj.writer == self._id else None
+
     def _readable(self, key: str) -> Status:
-        if key in self._committed:
+        if key in self._pool.committed:
             return Status.OK
-        return Status.NOT_READY if key in self._open_puts else Status.NOT_FOUND
+        return Status.NOT_READY if key in self._pool.open_puts else Status.NOT_FOUND
 
     def _reserve(self, size: int) -> bool:
-        if self._capacity is not None and self._used + size > self._capacity:
+        if self._pool.capacity is not None and self._pool.used + size > self._pool.capacity:
             return False
-        self._used += size
+        self._pool.used += size
         return True
 
     def _put_whole(self, key: str, ptrs: Pointers, sizes: Sizes) -> Status:
@@ -377,7 +420,7 @@ class MemoryStore:
             return Status.NO_SPACE
         obj = _Object(total)
         _copy_in(obj, ptrs, sizes, _offsets_of(sizes))
-        self._committed[key] = obj
+        self._pool.committed[key] = obj
         return Status.OK
 
 

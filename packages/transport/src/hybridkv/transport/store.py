@@ -10,6 +10,9 @@ Semantics every backend keeps (the contract suite checks them on each):
   NOT_READY) until `put_session_end`; `put_session_revoke` drops it for good;
 - a whole put of a key that already exists reports OK and keeps the old bytes
   (keys are content-addressed); `put_session_start` on it reports EXISTS;
+- a put session belongs to the client that opened it: another client's
+  `put_session_start` reports EXISTS, its ranges, end and revoke INVALID, and its whole
+  put reports OK and changes nothing;
 - reads of absent keys report NOT_FOUND; ranges outside the object, whole reads into
   pieces smaller than the object, and ranged calls without a session report INVALID
   (a whole read into pieces larger than the object fails too: Mooncake says

@@ -140,6 +140,30 @@ def shared_mooncake_store(mooncake_master: MasterProcess) -> Iterator[MooncakeSt
     store.close()
 
 
+@pytest.fixture(scope="session")
+def second_mooncake_store(mooncake_master: MasterProcess) -> Iterator[MooncakeStore]:
+    """Another client of the session's pool, as a second instance would have."""
+    store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
+    yield store
+    store.close()
+
+
+@pytest.fixture(params=["memory", "mooncake"])
+def two_clients(request: pytest.FixtureRequest) -> Iterator[tuple[Store, Store]]:
+    """Two clients of one pool, of each backend in turn (the Mooncake ones shared)."""
+    if request.param == "memory":
+        first = MemoryStore()
+        second = first.another_client()
+        yield first, second
+        second.close()
+        first.close()
+    else:
+        yield (
+            request.getfixturevalue("shared_mooncake_store"),
+            request.getfixturevalue("second_mooncake_store"),
+        )
+
+
 @pytest.fixture(params=["memory", "mooncake"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """Each backend in turn (the Mooncake one shared: do not close it; see `closable_store`)."""
