@@ -7,12 +7,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from hybridkv.transport.errors import (
+    Status,
     StoreClosed,
     StoreError,
     StoreUnavailable,
@@ -20,7 +22,12 @@ from hybridkv.transport.errors import (
 )
 from hybridkv.transport.master import MasterProcess, free_port
 from hybridkv.transport.mooncake_store import MooncakeStore
-from hybridkv.transport.testing import mooncake_config, require_mooncake
+from hybridkv.transport.testing import (
+    StartHolder,
+    StartMaster,
+    mooncake_config,
+    require_mooncake,
+)
 
 
 @pytest.fixture
@@ -152,3 +159,46 @@ def test_require_real_fails_instead_of_skipping(
     monkeypatch.setenv("HYBRIDKV_REQUIRE_REAL", "0")
     with pytest.raises(pytest.skip.Exception, match=r"cannot import mooncake\.store"):
         require_mooncake()
+
+
+def test_preferred_segment_decides_which_process_holds_new_objects(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder
+) -> None:
+    """Two writers that each lend a segment beside a holder: the one preferring its own
+    segment takes its objects with it when it closes; the one naming the holder's leaves
+    them readable. Whole puts and put sessions alike."""
+    master = start_mooncake_master()
+    start_segment_holder(master.address)
+    [holder] = segment_names(master)
+    own = MooncakeStore.connect(mooncake_config(master.address, preferred_segment=True))
+    held = MooncakeStore.connect(mooncake_config(master.address, preferred_segment=holder))
+    data = np.arange(4096, dtype=np.uint8) % 251
+    for writer, tag in ((own, "own"), (held, "held")):
+        writer.register_buffer(data.ctypes.data, data.nbytes)
+        assert writer.batch_put_whole([f"{tag}-whole"], [[data.ctypes.data]], [[4096]]) == [
+            Status.OK
+        ]
+        assert writer.put_session_start([f"{tag}-session"], [4096]) == [Status.OK]
+        assert writer.put_ranges([f"{tag}-session"], [[data.ctypes.data]], [[4096]], [[0]]) == [
+            Status.OK
+        ]
+        assert writer.put_session_end([f"{tag}-session"]) == [Status.OK]
+        writer.close()
+    reader = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
+    out = np.zeros(4096, dtype=np.uint8)
+    try:
+        for key in ("held-whole", "held-session"):
+            assert reader.batch_get_whole([key], [[out.ctypes.data]], [[4096]]) == [Status.OK]
+            assert np.array_equal(out, data)
+        for key in ("own-whole", "own-session"):
+            [status] = reader.batch_get_whole([key], [[out.ctypes.data]], [[4096]])
+            assert not status.ok, key
+    finally:
+        reader.close()
+
+
+def segment_names(master: MasterProcess) -> list[str]:
+    """The segments mounted in the pool, from the master's HTTP admin endpoint."""
+    url = f"http://{master.host}:{master.metrics_port}/get_all_segments"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return reply.read().decode().split()

@@ -69,6 +69,43 @@ def test_mooncake_example_config_file_loads(tmp_path: Path) -> None:
     assert config.master_server_address == "localhost:8081"
 
 
+def test_the_files_of_vllm_and_vllm_ascend_load_unchanged(tmp_path: Path) -> None:
+    """vLLM's MooncakeStoreConnector reads `mode` and `enable_offload`; vllm-ascend's
+    AscendStoreConnector `preferred_segment` (true: its own) and `prefer_alloc_in_same_node`.
+    Switching connectors keeps the file."""
+    vllm = {
+        "master_server_address": "127.0.0.1:50051",
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "device_name": "",
+        "mode": "standalone-store",
+        "global_segment_size": 0,
+        "local_buffer_size": "512MB",
+        "enable_offload": True,
+    }
+    ascend = {
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "ascend",
+        "device_name": "",
+        "master_server_address": "127.0.0.1:50088",
+        "global_segment_size": "1GB",
+        "local_buffer_size": "64MB",
+        "preferred_segment": True,
+        "prefer_alloc_in_same_node": True,
+    }
+    for name, values in (("vllm", vllm), ("ascend", ascend)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(values))
+        config = MooncakeConfig.from_json_file(path)
+        assert config.master_server_address == values["master_server_address"]
+    assert MooncakeConfig.from_mapping(vllm).mode == "standalone-store"
+    placed = MooncakeConfig.from_mapping(ascend)
+    assert placed.preferred_segment is True
+    assert placed.prefer_alloc_in_same_node is True
+    named = MooncakeConfig.from_mapping({**ascend, "preferred_segment": "10.0.0.2:12345"})
+    assert named.preferred_segment == "10.0.0.2:12345"
+
+
 def test_defaults_need_only_the_master() -> None:
     config = MooncakeConfig.from_mapping({"master_server_address": "127.0.0.1:5"})
     assert config.metadata_server == "P2PHANDSHAKE"
@@ -96,6 +133,16 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ({"master_server_address": "h:1", "global_segment_size": "lots"}, "global_segment_size"),
         ({"master_server_address": "h:1", "client_http_port": "80"}, "int"),
         ({"master_server_address": "h:1", "enable_ssd_offload": True}, "ssd_offload_path"),
+        (
+            {"master_server_address": "h:1", "mode": "embedded", "global_segment_size": 0},
+            "positive",
+        ),
+        ({"master_server_address": "h:1", "mode": "standalone-store"}, "must be 0"),
+        ({"master_server_address": "h:1", "mode": "shared"}, "mode"),
+        (
+            {"master_server_address": "h:1", "preferred_segment": True, "global_segment_size": 0},
+            "lends none",
+        ),
     ],
 )
 def test_bad_values_are_named(values: dict[str, object], complaint: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -46,7 +46,12 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     `global_segment_size` is the memory this process lends to the pool (0: store only into
     other processes' segments, so written objects outlive this process);
-    `local_buffer_size` is the client's staging buffer.
+    `local_buffer_size` is the client's staging buffer. `preferred_segment` (a segment
+    name, or true for this process's own) and `prefer_alloc_in_same_node` steer where new
+    objects are placed. `mode` and `enable_offload` are the fields vLLM's
+    MooncakeStoreConnector reads, so its files load unchanged: `mode` is checked against
+    `global_segment_size` as vLLM checks it; `enable_offload` describes the SSD tier of a
+    standalone store process, which this client does not drive.
     """
 
     master_server_address: str
@@ -61,6 +66,10 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
     ssd_offload_path: str = ""
     enable_client_http_server: bool = False
     client_http_port: int = 9300
+    preferred_segment: bool | str = False
+    prefer_alloc_in_same_node: bool = False
+    mode: Literal["embedded", "standalone-store"] | None = None
+    enable_offload: bool = False
 
     def __post_init__(self) -> None:
         if not _is_host_port(self.master_server_address):
@@ -86,6 +95,20 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("enable_ssd_offload needs ssd_offload_path")
         if not 0 < self.client_http_port < 65536:
             raise ValueError(f"client_http_port out of range: {self.client_http_port}")
+        if self.preferred_segment is True and self.global_segment_size == 0:
+            raise ValueError(
+                "preferred_segment true places objects in this process's own segment, but "
+                "it lends none (global_segment_size 0): name a segment ('host:port') instead"
+            )
+        if self.mode == "embedded" and self.global_segment_size == 0:
+            raise ValueError(
+                "mode 'embedded' lends this process's memory: global_segment_size must be positive"
+            )
+        if self.mode == "standalone-store" and self.global_segment_size != 0:
+            raise ValueError(
+                "mode 'standalone-store' lends nothing (another process holds the pool): "
+                f"global_segment_size must be 0, got {self.global_segment_size}"
+            )
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> MooncakeConfig:

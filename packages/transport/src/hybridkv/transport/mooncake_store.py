@@ -101,6 +101,21 @@ def load_client_class() -> Any:
     return MooncakeDistributedStore
 
 
+def _placement(client: Any, config: MooncakeConfig) -> Any:
+    """Mooncake's ReplicateConfig for `preferred_segment` / `prefer_alloc_in_same_node`."""
+    if not config.preferred_segment and not config.prefer_alloc_in_same_node:
+        return None
+    from mooncake.store import ReplicateConfig
+
+    placement = ReplicateConfig()
+    if config.preferred_segment is True:
+        placement.preferred_segment = client.get_hostname()  # this process's own segment
+    elif config.preferred_segment:
+        placement.preferred_segment = config.preferred_segment
+    placement.prefer_alloc_in_same_node = config.prefer_alloc_in_same_node
+    return placement
+
+
 def _prepare_environment(config: MooncakeConfig) -> None:
     """Defaults the client reads from the environment, unless the user chose otherwise."""
     # One setup attempt: a dead master then fails in seconds, not after 20 x 4.4 s.
@@ -114,9 +129,11 @@ def _prepare_environment(config: MooncakeConfig) -> None:
 class MooncakeStore:
     """A connected Mooncake client; build it with `MooncakeStore.connect(config)`."""
 
-    def __init__(self, client: Any, config: MooncakeConfig) -> None:
+    def __init__(self, client: Any, config: MooncakeConfig, placement: Any = None) -> None:
         self._client = client
         self.config = config
+        # Mooncake's ReplicateConfig for new objects; None: Mooncake's default placement.
+        self._placement = placement
         self._master = split_address(config.master_server_address)
         self._state = threading.Condition()
         self._closed = False
@@ -164,7 +181,7 @@ class MooncakeStore:
                 f"{time.monotonic() - started:.1f} s (segment {config.global_segment_size} B, "
                 f"buffer {config.local_buffer_size} B, protocol {config.protocol})"
             )
-        return cls(client, config)
+        return cls(client, config, _placement(client, config))
 
     # -- Store protocol ---------------------------------------------------------------
 
@@ -204,7 +221,9 @@ class MooncakeStore:
     ) -> list[Status]:
         return self._whole(
             "batch_put_whole", keys, ptrs, sizes,
-            lambda client, *columns: client.batch_put_from_multi_buffers(*columns),
+            lambda client, *columns: client.batch_put_from_multi_buffers(
+                *columns, *self._placed()
+            ),
         )  # fmt: skip
 
     def batch_get_whole(
@@ -221,7 +240,10 @@ class MooncakeStore:
                 f"put_session_start: {len(keys)} keys but {len(object_sizes)} sizes"
             )
         return self._statuses(
-            keys, lambda client: client.batch_put_session_start(list(keys), list(object_sizes))
+            keys,
+            lambda client: client.batch_put_session_start(
+                list(keys), list(object_sizes), *self._placed()
+            ),
         )
 
     def put_ranges(
@@ -360,6 +382,10 @@ class MooncakeStore:
         for part in split_by_pieces([len(pieces) for pieces in sizes], MAX_PIECES_PER_CALL):
             statuses.extend(send(part))
         return statuses
+
+    def _placed(self) -> tuple[Any, ...]:
+        """The placement argument of a put call, if the configuration chose one."""
+        return () if self._placement is None else (self._placement,)
 
     def _statuses(self, keys: Sequence[str], call: Callable[[Any], list[int]]) -> list[Status]:
         codes = self._master_call(keys, call, failed=Status.RPC_FAILED.value)
