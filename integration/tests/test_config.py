@@ -76,6 +76,45 @@ def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:
         parse_extra_config(extra)
 
 
+def test_vllm_mooncake_store_connector_config_carries_over() -> None:
+    """The keys of vLLM's MooncakeStoreConnector that hybridkv shares keep their meaning."""
+    config = parse_extra_config(
+        {
+            "load_async": True,
+            "lookup_async": True,
+            "enable_lookup": False,
+            "save_decode_cache": True,
+            "lookup_rpc_port": 6000,
+        }
+    )
+    assert config.load_async
+    assert config.save_decode_cache
+    assert config.lookup_port == 6000
+    assert not config.loads_for("kv_both")  # enable_lookup false: it only stores
+    assert config.saves_for("kv_both")
+    assert parse_extra_config({}).loads_for("kv_both")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("store_tp_size", 2, "tensor-parallel sizes are equal"),
+        ("enable_store_tp_lcm", True, "tensor-parallel sizes are equal"),
+        ("prefill_tp_sizes", [2, 4], "tensor-parallel sizes are equal"),
+        ("custom_mem_pool", "nvlink", "staging_bytes"),
+        ("enable_cross_layers_blocks", True, "in place"),
+        ("enable_group_semantics", True, "own object"),
+        ("preferred_segment", "10.0.0.2:1234", "MOONCAKE_CONFIG_PATH"),
+    ],
+)
+def test_vllm_mooncake_layout_keys_are_refused_with_the_reason(
+    key: str, value: object, reason: str
+) -> None:
+    complaint = rf"'{key}' is a key of vLLM's MooncakeStoreConnector.*{reason}"
+    with pytest.raises(ValueError, match=complaint):
+        parse_extra_config({"use_layerwise": True, key: value})
+
+
 @pytest.mark.parametrize(
     ("extra", "device", "rdma", "contiguous", "expected"),
     [

@@ -48,6 +48,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     granularity: Granularity | Literal["auto"] = "auto"
     # After the pool refused a save for want of room, saves pause this many seconds.
     full_pool_pause_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # False: never look up or load (the instance only stores), whatever its role.
+    enable_lookup: bool = True
+    # vLLM MooncakeStoreConnector's asynchronous lookup: hybridkv's lookup is one round trip
+    # bounded by lookup_timeout_ms, so it is accepted so configs carry over, with no effect.
+    lookup_async: bool = False
     # kv_role "kv_consumer" (a decode instance) neither saves nor loads unless told to.
     consumer_is_to_put: bool = False
     consumer_is_to_load: bool = False
@@ -143,12 +148,39 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return kv_role != "kv_consumer" or self.consumer_is_to_put
 
     def loads_for(self, kv_role: str | None) -> bool:
-        return kv_role != "kv_consumer" or self.consumer_is_to_load
+        return self.enable_lookup and (kv_role != "kv_consumer" or self.consumer_is_to_load)
+
+
+# Keys of vLLM's MooncakeStoreConnector that choose a store layout or memory of its own,
+# which hybridkv has no counterpart for: refused with the reason, never ignored.
+_PER_HEAD = (
+    "stores one object per storing KV head; instances share objects when their "
+    "tensor-parallel sizes are equal"
+)
+VLLM_MOONCAKE_ONLY = {
+    "store_tp_size": _PER_HEAD,
+    "enable_store_tp_lcm": _PER_HEAD,
+    "prefill_tp_sizes": _PER_HEAD,
+    "custom_mem_pool": "registers vLLM's own KV cache memory (host caches move through "
+    "registered staging memory, see staging_bytes)",
+    "enable_cross_layers_blocks": "follows the cache's own layout (block-outermost caches "
+    "already move each object in place)",
+    "enable_group_semantics": "stores each block of each KV cache group as its own object",
+    "preferred_segment": "takes object placement from the Mooncake file: put "
+    "preferred_segment in the JSON that MOONCAKE_CONFIG_PATH names",
+}
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """Validate `kv_connector_extra_config`; errors name the offending key."""
     fields = dict(extra or {})
+    foreign = sorted(set(fields) & set(VLLM_MOONCAKE_ONLY))
+    if foreign:
+        key = foreign[0]
+        raise ValueError(
+            f"kv_connector_extra_config: {key!r} is a key of vLLM's MooncakeStoreConnector; "
+            f"hybridkv {VLLM_MOONCAKE_ONLY[key]}. Remove it."
+        )
     if isinstance(fields.get("staging_bytes"), str):
         fields["staging_bytes"] = parse_size(fields["staging_bytes"], "staging_bytes")
     try:
