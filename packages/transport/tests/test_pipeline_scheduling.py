@@ -59,7 +59,7 @@ def test_options_are_validated() -> None:
         PipelineOptions(backlog=-1)
     with pytest.raises(ValueError, match="staging_bytes must be >= 0"):
         PipelineOptions(staging_bytes=-1)
-    with pytest.raises(ValueError, match="max_transfer_bytes must be >= 0"):
+    with pytest.raises(ValueError, match=r"max_transfer_bytes must be >= 0 \(0: no limit\)"):
         PipelineOptions(max_transfer_bytes=-1)
     with pytest.raises(ValueError, match="granularity"):
         PipelineOptions(granularity="block")  # type: ignore[arg-type]
@@ -67,7 +67,7 @@ def test_options_are_validated() -> None:
         backlog=8, prefetch_layers=2, max_transfer_blocks=0, max_transfer_bytes=0,
         granularity="staged", staging_bytes=256 << 20, full_pool_pause_s=1.0,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="full_pool_pause_s must be >= 0"):
+    with pytest.raises(ValueError, match=r"full_pool_pause_s must be >= 0 \(0: never pause\)"):
         PipelineOptions(full_pool_pause_s=-0.5)
     with pytest.raises(ValueError, match="max_transfer_pieces must be >= 0"):
         PipelineOptions(max_transfer_pieces=-1)

@@ -24,8 +24,19 @@ Granularity = Literal["staged", "layer", "group"]
 GRANULARITIES = ("staged", "layer", "group")
 
 
+_WHAT_ZERO_MEANS = {
+    "backlog": "no save outstanding at a checkpoint",
+    "prefetch_layers": "no layer fetched ahead",
+    "max_transfer_blocks": "no limit",
+    "max_transfer_bytes": "no limit",
+    "max_transfer_pieces": "no limit",
+    "staging_bytes": "no staging",
+    "full_pool_pause_s": "never pause",
+}
+
+
 class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """How transfers are scheduled; validated on construction (0 = no limit).
+    """How transfers are scheduled; validated on construction.
 
     `granularity` (the same object layout in every mode, so each reads what another wrote):
     - "staged" (default; host memory): each object moves as ONE piece through a
@@ -61,11 +72,9 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     full_pool_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
-        limits = ("backlog", "prefetch_layers", "max_transfer_blocks", "max_transfer_bytes",
-                  "max_transfer_pieces", "staging_bytes", "full_pool_pause_s")  # fmt: skip
-        for name in limits:
+        for name, zero in _WHAT_ZERO_MEANS.items():
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}"
