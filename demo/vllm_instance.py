@@ -120,25 +120,31 @@ def run_instance(
     spec_path.write_bytes(msgspec.json.encode(spec))
     result_path.unlink(missing_ok=True)
     argv = [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(result_path)]
+    child = start_group(argv, log_path, env)
+    try:
+        code: int | None = child.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        stop_group(child)
+    if code != 0 or not result_path.exists():
+        why = "timed out" if code is None else f"exited with {code}"
+        raise InstanceError(f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}")
+    return msgspec.json.decode(result_path.read_bytes(), type=InstanceResult)
+
+
+def start_group(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`argv` leading a new process group (vLLM's engine-core and worker children join
+    it), its output in `log_path`, `env` over this process's environment."""
     with open(log_path, "wb") as log:
-        child = subprocess.Popen(
+        return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},
-            start_new_session=True,  # its engine-core child joins this group
+            start_new_session=True,
         )
-        try:
-            code = child.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            stop_group(child)
-    if code != 0 or not result_path.exists():
-        why = "timed out" if code is None else f"exited with {code}"
-        raise InstanceError(f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}")
-    return msgspec.json.decode(result_path.read_bytes(), type=InstanceResult)
 
 
 def stop_group(child: subprocess.Popen[bytes]) -> None:

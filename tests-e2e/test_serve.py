@@ -28,7 +28,7 @@ import pytest
 import tinymodels
 from conftest import Pool
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
-from vllm_instance import stop_group
+from vllm_instance import start_group, stop_group
 
 from hybridkv.transport.master import LOOPBACK, free_port
 
@@ -99,15 +99,7 @@ def served(model: Path, env: dict[str, str], log: Path) -> Iterator[Server]:
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     argv += ["--gpu-memory-utilization", "0.2"]
     argv += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
+    process = start_group(argv, log, env)
     server = Server(process, port, str(model))
     try:
         _wait_ready(server, log)
