@@ -5,8 +5,8 @@ after the other, each its own process tree (API server, engine core), with the c
 named only by `kv_connector` (the plugin entry point registers it) and the Mooncake
 settings from `MOONCAKE_CONFIG_PATH`. The first server stores a prompt's KV and is shut
 down; the second, started afterwards, must load it (vLLM's own external-hit counter on
-`/metrics` says how much) and answer exactly as the first did: same tokens, same top-5
-logprobs.
+`/metrics` says how much, and so do hybridkv's own counters there) and answer exactly as
+the first did: same tokens, same top-5 logprobs.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ MODEL = "lfm2"  # conv state beside full attention: two KV cache groups
 PROMPT = tinymodels.prompt_ids(90, 4 * MAX_NUM_BATCHED_TOKENS + 1)
 EXPECTED_HIT = (len(PROMPT) - 1) // BLOCK * BLOCK  # a multiple of the prefill chunk too
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+HYBRIDKV_HITS = "vllm:hybridkv_hit_tokens_total"
+HYBRIDKV_LOADED = "vllm:hybridkv_loaded_blocks_total"
+COUNTERS = (EXTERNAL_HITS, HYBRIDKV_HITS, HYBRIDKV_LOADED)
 START_TIMEOUT_S = 300.0
 KV_TRANSFER_CONFIG = {
     "kv_connector": "HybridKVConnector",
@@ -76,13 +79,17 @@ class Server:
             choice: dict[str, Any] = json.loads(reply.read())["choices"][0]
         return choice
 
-    def external_hits(self) -> float:
-        """vLLM's counter of tokens the connector supplied, summed over its label sets."""
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in self.get("/metrics").splitlines()
-            if line.startswith(EXTERNAL_HITS)
-        )
+    def counters(self) -> dict[str, float]:
+        """The COUNTERS on `/metrics`, each summed over its label sets (0 if absent)."""
+        lines = self.get("/metrics").splitlines()
+        return {
+            name: sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in lines
+                if line.startswith((f"{name}{{", f"{name} "))
+            )
+            for name in COUNTERS
+        }
 
 
 @contextlib.contextmanager
@@ -129,33 +136,54 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     stop_group(process)
 
 
+Served = tuple[dict[str, Any], dict[str, float]]  # the answer, the counters it moved
+
+
 @pytest.fixture(scope="module")
 def served_twice(
     vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
-) -> tuple[tuple[dict[str, Any], float], tuple[dict[str, Any], float]]:
-    """(answer, external hit tokens) of the writing server, then of the reading one."""
+) -> tuple[Served, Served]:
+    """What the writing server, then the reading one, answered and counted."""
     model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
     env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path)}
-    answers = []
+    runs = []
     for name in ("writer", "reader"):
         with served(model, env, runs_dir / f"serve-{name}.log") as server:
-            before = server.external_hits()
             answer = server.complete(PROMPT)
-            answers.append((answer, server.external_hits() - before))
-    return answers[0], answers[1]
+            runs.append((answer, _settled_counters(server)))
+    return runs[0], runs[1]
 
 
-def test_second_server_loads_what_the_first_stored(
-    served_twice: tuple[tuple[dict[str, Any], float], tuple[dict[str, Any], float]],
-) -> None:
-    (_, writer_hits), (_, reader_hits) = served_twice
-    assert writer_hits == 0
-    assert reader_hits == EXPECTED_HIT
+def _settled_counters(
+    server: Server, quiet_s: float = 1.0, timeout_s: float = 20.0
+) -> dict[str, float]:
+    """The counters once they stopped changing for `quiet_s` (stats arrive with steps)."""
+    counters = server.counters()
+    changed = time.monotonic()
+    deadline = changed + timeout_s
+    while time.monotonic() - changed < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = server.counters()
+        if now != counters:
+            counters, changed = now, time.monotonic()
+    return counters
 
 
-def test_second_server_answers_exactly_as_the_first(
-    served_twice: tuple[tuple[dict[str, Any], float], tuple[dict[str, Any], float]],
-) -> None:
+def test_second_server_loads_what_the_first_stored(served_twice: tuple[Served, Served]) -> None:
+    (_, writer), (_, reader) = served_twice
+    assert writer[EXTERNAL_HITS] == 0
+    assert reader[EXTERNAL_HITS] == EXPECTED_HIT
+
+
+def test_hybridkv_counters_are_on_the_servers_metrics(served_twice: tuple[Served, Served]) -> None:
+    (_, writer), (_, reader) = served_twice
+    assert writer[HYBRIDKV_HITS] == 0
+    assert reader[HYBRIDKV_HITS] == EXPECTED_HIT
+    # every full-attention block, and the conv state of the block ending at the hit only
+    assert reader[HYBRIDKV_LOADED] == EXPECTED_HIT // BLOCK + 1
+
+
+def test_second_server_answers_exactly_as_the_first(served_twice: tuple[Served, Served]) -> None:
     (writer, _), (reader, _) = served_twice
     assert len(writer["logprobs"]["tokens"]) == 4
     assert reader["text"] == writer["text"]

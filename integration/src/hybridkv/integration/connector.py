@@ -36,7 +36,7 @@ from hybridkv.integration.lookup import (
 from hybridkv.integration.metadata import HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
-from hybridkv.integration.stats import HybridKVStats
+from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
 from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts
 from hybridkv.keys import model_name
@@ -338,6 +338,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return HybridKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HybridKVPromMetrics:
+        return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Stop threads, sessions, sockets and any embedded master; safe to call twice."""

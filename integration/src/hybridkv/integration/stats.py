@@ -1,8 +1,10 @@
 """Transfer counters the connector reports through vLLM's KV connector stats.
 
 Workers count bytes, blocks and seconds of their loads and saves; the scheduler counts hit
-tokens. vLLM sums the snapshots of all ranks with `aggregate` and logs `reduce()`. In
-layerwise mode the workers also report the exposed transfer tail (`LAYERWISE_FIELDS`).
+tokens. vLLM sums the snapshots of all ranks with `aggregate`, logs `reduce()` and hands
+each step's sums to `HybridKVPromMetrics`, which adds them to Prometheus counters on the
+server's `/metrics`. In layerwise mode the workers also report the exposed transfer tail
+(`LAYERWISE_FIELDS`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 FIELDS = (
     "hit_tokens",
@@ -80,3 +85,50 @@ class Counters:
             if reset:
                 self._data = {}
         return data
+
+
+# field -> (Prometheus name, help); counters, so the exposition adds "_total".
+PROMETHEUS = {
+    "hit_tokens": ("hit_tokens", "Prompt tokens the pool held when vLLM asked"),
+    "lookups": ("lookups", "Pool lookups made for requests"),
+    "loaded_blocks": ("loaded_blocks", "Blocks loaded from the pool"),
+    "loaded_bytes": ("loaded_bytes", "Bytes loaded from the pool"),
+    "load_seconds": ("load_seconds", "Seconds spent loading whole blocks"),
+    "failed_load_blocks": ("failed_load_blocks", "Blocks whose load failed (recomputed)"),
+    "saved_blocks": ("saved_blocks", "Blocks saved to the pool"),
+    "saved_bytes": ("saved_bytes", "Bytes saved to the pool"),
+    "save_seconds": ("save_seconds", "Seconds spent saving whole blocks"),
+    "layerwise_steps": ("layerwise_steps", "Steps that moved KV layer by layer"),
+    "layers_saved": ("layers_saved", "Layers handed to layerwise saves"),
+    "load_wait_s": ("load_wait_seconds", "Forward seconds waiting for layer loads"),
+    "backlog_wait_s": ("backlog_wait_seconds", "Forward seconds bounding outstanding saves"),
+    "finish_wait_s": ("finish_wait_seconds", "Forward seconds waiting at step end"),
+    "exposed_tail_s": ("exposed_tail_seconds", "Forward seconds blocked on transfers"),
+}
+
+
+class HybridKVPromMetrics(KVConnectorPromMetrics):
+    """The stats as `vllm:hybridkv_<name>_total` counters with vLLM's engine labels."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # of vLLM's counter class (prometheus_client's Counter)
+        self._counters: dict[str, Any] = {
+            field: self._counter_cls(
+                name=f"vllm:hybridkv_{name}", documentation=help_, labelnames=labelnames
+            )
+            for field, (name, help_) in PROMETHEUS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for field, value in transfer_stats_data.items():
+            counter = self._counters.get(field)
+            if counter is not None and value > 0:
+                counter.labels(*labels).inc(value)
