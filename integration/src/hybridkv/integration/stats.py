@@ -118,7 +118,7 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        # of vLLM's counter class (prometheus_client's Counter)
+        # made with the counter class vLLM passes (prometheus_client's Counter)
         self._counters: dict[str, Any] = {
             field: self._counter_cls(
                 name=f"vllm:hybridkv_{name}", documentation=help_, labelnames=labelnames
