@@ -24,14 +24,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 CONNECTOR_NAME = "HybridKVConnector"
 CONNECTOR_MODULE = "hybridkv.integration"
 EXTERNAL_HITS_METRIC = "vllm:external_prefix_cache_hits"
+T = TypeVar("T")
 
 
 class Step(msgspec.Struct, kw_only=True):
@@ -187,17 +189,23 @@ def _kv_groups(llm: Any) -> list[str]:
     return [type(group.kv_cache_spec).__name__ for group in groups]
 
 
-def _settled_keys(master_http: str, quiet_s: float = 1.0, timeout_s: float = 30.0) -> list[str]:
-    """Keys once the listing has stopped changing for ``quiet_s`` (stores are async)."""
-    keys = list_pool_keys(master_http)
+def settled(read: Callable[[], T], quiet_s: float, timeout_s: float, poll_s: float) -> T:
+    """What `read` returns once it has stopped changing for `quiet_s` (or at `timeout_s`):
+    the pool's keys, a server's counters, which asynchronous work updates after a reply."""
+    value = read()
     changed = time.monotonic()
     deadline = changed + timeout_s
     while time.monotonic() - changed < quiet_s and time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = list_pool_keys(master_http)
-        if now != keys:
-            keys, changed = now, time.monotonic()
-    return keys
+        time.sleep(poll_s)
+        now = read()
+        if now != value:
+            value, changed = now, time.monotonic()
+    return value
+
+
+def _settled_keys(master_http: str) -> list[str]:
+    """Keys once the listing has stopped changing for a second (stores are async)."""
+    return settled(lambda: list_pool_keys(master_http), quiet_s=1.0, timeout_s=30.0, poll_s=0.1)
 
 
 def _transfer_totals() -> dict[str, float]:

@@ -28,7 +28,7 @@ import pytest
 import tinymodels
 from conftest import Pool
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
-from vllm_instance import start_group, stop_group
+from vllm_instance import settled, start_group, stop_group
 
 from hybridkv.transport.master import LOOPBACK, free_port
 
@@ -150,23 +150,10 @@ def served_twice(
     for name in ("writer", "reader"):
         with served(model, env, runs_dir / f"serve-{name}.log") as server:
             answer = server.complete(PROMPT)
-            runs.append((answer, _settled_counters(server)))
+            # stats reach /metrics with the steps after the reply
+            counters = settled(server.counters, quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
+            runs.append((answer, counters))
     return runs[0], runs[1]
-
-
-def _settled_counters(
-    server: Server, quiet_s: float = 1.0, timeout_s: float = 20.0
-) -> dict[str, float]:
-    """The counters once they stopped changing for `quiet_s` (stats arrive with steps)."""
-    counters = server.counters()
-    changed = time.monotonic()
-    deadline = changed + timeout_s
-    while time.monotonic() - changed < quiet_s and time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = server.counters()
-        if now != counters:
-            counters, changed = now, time.monotonic()
-    return counters
 
 
 def test_second_server_loads_what_the_first_stored(served_twice: tuple[Served, Served]) -> None:
