@@ -87,24 +87,31 @@ class Counters:
         return data
 
 
-# field -> (Prometheus name, help); counters, so the exposition adds "_total".
-PROMETHEUS = {
-    "hit_tokens": ("hit_tokens", "Prompt tokens the pool held when vLLM asked"),
-    "lookups": ("lookups", "Pool lookups made for requests"),
-    "loaded_blocks": ("loaded_blocks", "Blocks loaded from the pool"),
-    "loaded_bytes": ("loaded_bytes", "Bytes loaded from the pool"),
-    "load_seconds": ("load_seconds", "Seconds spent loading whole blocks"),
-    "failed_load_blocks": ("failed_load_blocks", "Blocks whose load failed (recomputed)"),
-    "saved_blocks": ("saved_blocks", "Blocks saved to the pool"),
-    "saved_bytes": ("saved_bytes", "Bytes saved to the pool"),
-    "save_seconds": ("save_seconds", "Seconds spent saving whole blocks"),
-    "layerwise_steps": ("layerwise_steps", "Steps that moved KV layer by layer"),
-    "layers_saved": ("layers_saved", "Layers handed to layerwise saves"),
-    "load_wait_s": ("load_wait_seconds", "Forward seconds waiting for layer loads"),
-    "backlog_wait_s": ("backlog_wait_seconds", "Forward seconds bounding outstanding saves"),
-    "finish_wait_s": ("finish_wait_seconds", "Forward seconds waiting at step end"),
-    "exposed_tail_s": ("exposed_tail_seconds", "Forward seconds blocked on transfers"),
+# Help of each field's Prometheus counter (every field of FIELDS and LAYERWISE_FIELDS has
+# one); its name is the field's, "_s" spelled "_seconds", and the exposition adds "_total".
+PROMETHEUS_HELP = {
+    "hit_tokens": "Prompt tokens the pool held when vLLM asked",
+    "lookups": "Pool lookups made for requests",
+    "loaded_blocks": "Blocks loaded from the pool",
+    "loaded_bytes": "Bytes loaded from the pool",
+    "load_seconds": "Seconds spent loading whole blocks",
+    "failed_load_blocks": "Blocks whose load failed (recomputed)",
+    "saved_blocks": "Blocks saved to the pool",
+    "saved_bytes": "Bytes saved to the pool",
+    "save_seconds": "Seconds spent saving whole blocks",
+    "layerwise_steps": "Steps that moved KV layer by layer",
+    "layers_saved": "Layers handed to layerwise saves",
+    "load_wait_s": "Forward seconds waiting for layer loads",
+    "backlog_wait_s": "Forward seconds bounding outstanding saves",
+    "finish_wait_s": "Forward seconds waiting at step end",
+    "exposed_tail_s": "Forward seconds blocked on transfers",
 }
+
+
+def prometheus_name(field: str) -> str:
+    """`vllm:hybridkv_<field>`, a trailing "_s" spelled out as Prometheus wants units."""
+    unit = field.removesuffix("_s") + "_seconds" if field.endswith("_s") else field
+    return f"vllm:hybridkv_{unit}"
 
 
 class HybridKVPromMetrics(KVConnectorPromMetrics):
@@ -121,9 +128,11 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
         # made with the counter class vLLM passes (prometheus_client's Counter)
         self._counters: dict[str, Any] = {
             field: self._counter_cls(
-                name=f"vllm:hybridkv_{name}", documentation=help_, labelnames=labelnames
+                name=prometheus_name(field),
+                documentation=PROMETHEUS_HELP[field],
+                labelnames=labelnames,
             )
-            for field, (name, help_) in PROMETHEUS.items()
+            for field in (*FIELDS, *LAYERWISE_FIELDS)
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
