@@ -126,3 +126,35 @@ def store_mask(
         top(groups, alignment, use_eagle, max(0, num_tokens - 1)),
     }
     return _kept_mask(groups, alignment, use_eagle, retention, num_tokens, replays)
+
+
+def tail_hit(
+    groups: Sequence[GroupKind],
+    alignment: int,
+    use_eagle: bool,
+    max_tokens: int,
+    unit: int,
+    is_readable: IsReadable,
+    is_tail_readable: Callable[[int, int], bool],
+) -> tuple[int, tuple[tuple[bool, ...], ...]]:
+    """The aligned hit, extended to the largest multiple of `unit` inside the smallest
+    block after it whose needs are readable: full blocks as such, the block holding the
+    boundary's last token as that group's partial object (`is_tail_readable(group, T)`)."""
+    hit, masks = find_hit(groups, alignment, use_eagle, max_tokens, is_readable)
+    if use_eagle:
+        return hit, masks
+    smallest = min(kind.block_size for kind in groups)
+    for tokens in range(max_tokens, hit, -1):
+        if tokens % unit or tokens >= hit + smallest:
+            continue
+        if all(
+            is_tail_readable(group, tokens)
+            if block == tokens // kind.block_size
+            else is_readable(group, block)
+            for group, kind in enumerate(groups)
+            for block in needs(kind, tokens)
+        ):
+            return tokens, tuple(
+                as_mask(needs(kind, tokens), -(-tokens // kind.block_size)) for kind in groups
+            )
+    return hit, masks

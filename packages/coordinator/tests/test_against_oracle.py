@@ -158,3 +158,49 @@ def test_store_then_lookup_finds_the_aligned_prefix(
         hit = coord.find_hit(cap, scatter_readable(mask, answers))
         assert hit.tokens == coord.max_boundary(cap)
         assert hit.load_masks == coord.load_mask(hit.tokens)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), cases(), TOKENS, st.sampled_from([1, 3, 4, 8]))
+def test_tail_hit_matches_oracle(
+    data: st.DataObject, case: Case, max_tokens: int, unit: int
+) -> None:
+    """The aligned hit from one batched query, then one more query about the partial
+    objects of the tail boundaries, gives the oracle's largest usable boundary."""
+    columns = data.draw(readable_sets(case, max_tokens))
+    coord = case.coordinator()
+    hit = coord.find_hit(max_tokens, columns)
+    # Partial objects anywhere, and some just past the hit where they can matter.
+    tails = data.draw(st.sets(st.integers(1, max_tokens + 1), max_size=4))
+    tails |= {hit.tokens + unit * k for k in data.draw(st.sets(st.integers(1, 16), max_size=4))}
+    stored_tails = {
+        (group, tokens)
+        for group in range(len(case.groups))
+        for tokens in tails
+        if data.draw(st.integers(0, 5), label="group keeps it") > 0
+    }
+    candidates = coord.tail_boundaries(hit.tokens, max_tokens, unit)
+    assert candidates == sorted(candidates, reverse=True)
+    assert all(coord.is_tail_boundary(tokens) for tokens in candidates)
+    # A group needs its partial object where its tail mask ends marked (a window of one
+    # sees no earlier token, so needs none).
+    usable = [
+        tokens
+        for tokens in candidates
+        if all(
+            (group, tokens) in stored_tails
+            for group, mask in enumerate(coord.tail_hit(tokens).load_masks)
+            if mask[-1]
+        )
+    ]
+    got = coord.tail_hit(usable[0]) if usable else hit
+    expected = oracle.tail_hit(
+        case.groups,
+        case.alignment,
+        case.use_eagle,
+        max_tokens,
+        unit,
+        reader(columns),
+        lambda group, tokens: (group, tokens) in stored_tails,
+    )
+    assert (got.tokens, got.load_masks) == expected

@@ -170,6 +170,34 @@ def test_bad_configuration_is_refused_by_name(build: Any, message: str) -> None:
         build()
 
 
+def test_a_prompt_tail_extends_the_hit_inside_the_next_block() -> None:
+    """Qwen3-Next on vLLM: attention and state share 640-token blocks; vLLM's own prefix
+    cache hits at 64-token units, and a 2500-token prompt leaves its state at 2496."""
+    coord = Coordinator([FullAttention(640), RecurrentState(640)])
+    assert coord.tail_boundaries(1920, 2499, 64) == list(range(2496, 1920, -64))
+    assert coord.tail_boundaries(1920, 1999, 64) == [1984]
+    assert coord.tail_boundaries(1920, 1920, 64) == []
+    assert coord.tail_boundaries(0, 200, 64) == [192, 128, 64]
+    hit = coord.tail_hit(2496)
+    assert hit.tokens == 2496
+    full, state = hit.load_masks
+    assert blocks(full) == [0, 1, 2, 3]  # block 3 is the partial one
+    assert blocks(state) == [3]  # the state after exactly 2496 tokens
+    assert coord.is_tail_boundary(2496)
+    assert not coord.is_tail_boundary(2560)
+    # EAGLE's dropped block cannot reach past a partial one.
+    eagle = Coordinator([FullAttention(640), RecurrentState(640)], use_eagle=True)
+    assert eagle.tail_boundaries(1920, 2499, 64) == []
+
+
+def test_a_tail_inside_a_smaller_block_stops_before_it() -> None:
+    coord = Coordinator([FullAttention(16), SlidingWindow(64, window=100)])
+    assert coord.tail_boundaries(64, 200, 4) == [76, 72, 68]  # inside block 4 of 16
+    window = coord.tail_hit(76).load_masks[1]
+    assert blocks(window) == [0, 1]  # tokens 0..75, the partial block 1 included
+    assert not coord.is_tail_boundary(80)  # a whole 16-token block ends there
+
+
 def test_bad_calls_are_refused_by_name() -> None:
     coord = Coordinator([FullAttention(16), RecurrentState(64)])
     with pytest.raises(ValueError, match="tokens 80 is not a multiple of the alignment 64"):
@@ -182,3 +210,11 @@ def test_bad_calls_are_refused_by_name() -> None:
         coord.find_hit(128, [[T] * 8])
     with pytest.raises(ValueError, match=r"readable\[1\] must hold bools"):
         coord.find_hit(128, [[T] * 8, [None, None]])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="hit 80 is not a multiple of the alignment 64"):
+        coord.tail_boundaries(80, 200, 4)
+    with pytest.raises(ValueError, match="unit must be a positive int"):
+        coord.tail_boundaries(64, 200, 0)
+    with pytest.raises(ValueError, match=r"tokens 96 does not end inside a block of every"):
+        coord.tail_hit(96)
+    with pytest.raises(ValueError, match="tokens must be a non-negative int"):
+        coord.is_tail_boundary(-1)

@@ -242,3 +242,107 @@ def test_hashes_is_a_copy() -> None:
     hasher.hashes.clear()
     assert len(hasher.hashes) == 2
     assert hasher.block_size == 2
+
+
+def reference_partial_hash(
+    block_size: int, namespace: str, token_ids: Sequence[int], tokens: int, extra: object
+) -> bytes:
+    """The documented partial hash, straight from its definition."""
+    full = tokens // block_size
+    blocks = [(token_ids[i * block_size : (i + 1) * block_size], extra) for i in range(full)]
+    chain = reference_hashes(block_size, namespace, blocks)
+    previous = (
+        chain[-1]
+        if chain
+        else hashlib.sha256(
+            b"hybridkv-block-hash-v1\0" + block_size.to_bytes(8, "little") + namespace.encode()
+        ).digest()
+    )
+    salt = b""
+    if extra is not None:
+        salt = hashlib.sha256(
+            json.dumps(extra, sort_keys=True, separators=(",", ":")).encode()
+        ).digest()
+    tail = token_ids[full * block_size : tokens]
+    encoded = b"".join(token.to_bytes(4, "little") for token in tail)
+    return hashlib.sha256(
+        b"hybridkv-partial-hash-v1\0" + previous + len(tail).to_bytes(4, "little") + salt + encoded
+    ).digest()
+
+
+@st.composite
+def partial_prefix(draw: st.DrawFn) -> tuple[int, list[int], int, object]:
+    """A block size, tokens and a prefix length inside a block."""
+    block_size = draw(st.integers(2, 8))
+    token_ids = draw(st.lists(TOKENS, min_size=1, max_size=40))
+    tokens = draw(
+        st.sampled_from([n for n in range(1, len(token_ids) + 1) if n % block_size] or [0])
+    )
+    return block_size, token_ids, tokens, draw(EXTRAS)
+
+
+@given(partial_prefix(), st.text(max_size=6), st.integers(0, 40))
+def test_partial_hash_matches_its_definition(
+    case: tuple[int, list[int], int, object], namespace: str, cut: int
+) -> None:
+    block_size, token_ids, tokens, extra = case
+    if not tokens:
+        return  # every prefix is whole blocks
+    hasher = BlockHasher(block_size, namespace)
+    # Hashed in two calls cut anywhere: the partial hash does not depend on it.
+    hasher.extend(token_ids[:cut], extra)
+    hasher.extend(token_ids[cut:], extra)
+    got = hasher.partial_hash(tokens, token_ids, extra)
+    assert got == reference_partial_hash(block_size, namespace, token_ids, tokens, extra)
+    assert got not in hasher.hashes
+
+
+@given(partial_prefix(), st.integers(0, 39), TOKENS)
+def test_partial_hash_names_exactly_its_prefix(
+    case: tuple[int, list[int], int, object], position: int, replacement: int
+) -> None:
+    block_size, token_ids, tokens, extra = case
+    if not tokens:
+        return
+    changed = list(token_ids)
+    position %= len(changed)
+    changed[position] = replacement
+
+    def hashed(ids: list[int]) -> bytes:
+        hasher = BlockHasher(block_size, "ns")
+        hasher.extend(ids, extra)
+        return hasher.partial_hash(tokens, ids, extra)
+
+    # Tokens past the prefix do not matter; a changed token inside it does.
+    same = position >= tokens or replacement == token_ids[position]
+    assert (hashed(changed) == hashed(token_ids)) == same
+
+
+def test_partial_hashes_differ_from_block_hashes_and_from_each_other() -> None:
+    hasher = BlockHasher(4, "ns")
+    token_ids = list(range(12))
+    hasher.extend(token_ids)
+    partials = [hasher.partial_hash(n, token_ids) for n in range(1, 12) if n % 4]
+    assert len(set(partials)) == len(partials) == 9
+    assert not set(partials) & set(hasher.hashes)
+    # An extra changes it, as it changes block hashes.
+    assert hasher.partial_hash(5, token_ids, "lora") != hasher.partial_hash(5, token_ids)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "token_count", "error", "match"),
+    [
+        (8, 12, ValueError, "not a multiple"),
+        (0, 12, ValueError, "positive"),
+        (-3, 12, ValueError, "positive"),
+        (13, 16, ValueError, "3 full blocks hashed, only 2"),
+        (7, 6, ValueError, "holds 6 tokens"),
+        (5.0, 12, TypeError, "tokens must be an int"),
+        (True, 12, TypeError, "tokens must be an int"),
+    ],
+)
+def test_partial_hash_rejects(tokens: object, token_count: int, error: type, match: str) -> None:
+    hasher = BlockHasher(4, "ns")
+    hasher.extend(range(8))
+    with pytest.raises(error, match=match):
+        hasher.partial_hash(tokens, list(range(token_count)))  # type: ignore[arg-type]

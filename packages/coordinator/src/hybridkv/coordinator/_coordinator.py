@@ -222,6 +222,46 @@ class Coordinator:
             )
         return self._needed_masks(tokens)
 
+    def is_tail_boundary(self, tokens: int) -> bool:
+        """Whether a prefix of `tokens` ends inside a block of every group.
+
+        Only there can a prefix cut mid-block (a prompt's tail) be stored and found: each
+        group keeps its partial block, a recurrent state its snapshot after exactly
+        `tokens` tokens.
+        """
+        tokens = _require_count("tokens", tokens)
+        return tokens > 0 and all(tokens % group.block_size for group in self._groups)
+
+    def tail_boundaries(self, hit: int, max_tokens: int, unit: int) -> list[int]:
+        """Where a prefix cut mid-block could extend aligned hit `hit`, largest first.
+
+        The multiples of `unit` after `hit`, inside the smallest block that follows it and
+        `<= max_tokens`. Every block a group needs there before its partial block is one
+        it needs at `hit` already, so only the partial blocks are left to ask about. None
+        with EAGLE (its dropped block would have to reach past a partial one).
+        """
+        hit = _require_count("hit", hit)
+        max_tokens = _require_count("max_tokens", max_tokens)
+        if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0:
+            raise ValueError(f"unit must be a positive int, got {unit!r}")
+        if hit % self._alignment:
+            raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
+        if self._use_eagle:
+            return []
+        stop = min(hit + min(group.block_size for group in self._groups), max_tokens + 1)
+        first = hit // unit * unit + unit
+        return list(reversed(range(first, stop, unit)))
+
+    def tail_hit(self, tokens: int) -> Hit:
+        """The hit of a prefix cut mid-block: per group the blocks needed at `tokens`, the
+        last of them the partial block (`tokens // block_size`)."""
+        if not self.is_tail_boundary(tokens):
+            raise ValueError(
+                f"tokens {tokens} does not end inside a block of every group "
+                f"(block sizes {[group.block_size for group in self._groups]})"
+            )
+        return Hit(tokens, self._needed_masks(tokens))
+
     def _reach(self, group: int, tokens: int) -> tuple[int, int]:
         """Blocks `[first, stop)` that must be readable for a hit at `tokens` (> 0)."""
         kind = self._groups[group]
@@ -285,7 +325,7 @@ class Coordinator:
     def _needed_masks(self, tokens: int) -> Masks:
         masks = []
         for kind in self._groups:
-            blocks = tokens // kind.block_size
+            blocks = -(-tokens // kind.block_size)
             first = kind.first_needed(tokens) if tokens else 0
             masks.append((False,) * first + (True,) * (blocks - first))
         return tuple(masks)

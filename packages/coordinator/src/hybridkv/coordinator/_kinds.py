@@ -1,9 +1,10 @@
 """What each kind of KV cache group needs at a cache-hit boundary.
 
 Every kind answers the same two questions, so the coordinator never asks which kind it
-holds: the first block a boundary needs (the needs always end at the block ending at the
-boundary) and whether the kind takes part in EAGLE's dropped block. Needs only ever slide
-right as the boundary grows, which is what lets the coordinator skip past a miss.
+holds: the earliest token the next one depends on (the needs always end at the block
+holding the boundary's last token) and whether the kind takes part in EAGLE's dropped
+block. Needs only ever slide right as the boundary grows, which is what lets the
+coordinator skip past a miss.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ def _require_positive(owner: str, name: str, value: object) -> None:
 class GroupKind(ABC):
     """One KV cache group. `block_size` is the raw tokens one block covers.
 
-    Needs at boundary T (T a multiple of `block_size`, T > 0) are the blocks
-    `first_needed(T) .. T // block_size - 1`; T = 0 needs nothing.
+    Needs at boundary T > 0 are the blocks `first_needed(T) .. ceil(T / block_size) - 1`:
+    when T is inside a block, that last block is partial (the prefix cut mid-block);
+    T = 0 needs nothing.
     """
 
     block_size: int
@@ -44,9 +46,16 @@ class GroupKind(ABC):
         """The step this group's natural hit boundaries fall on (the default alignment's lcm)."""
         return self.block_size
 
-    @abstractmethod
     def first_needed(self, tokens: int) -> int:
         """First block index needed at boundary `tokens` (> 0); never decreases with it."""
+        first = self.first_token_needed(tokens)
+        if first >= tokens:  # the next token depends on no earlier one
+            return -(-tokens // self.block_size)
+        return first // self.block_size
+
+    @abstractmethod
+    def first_token_needed(self, tokens: int) -> int:
+        """The earliest token the one after `tokens` (> 0) depends on (`tokens`: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +65,7 @@ class FullAttention(GroupKind):
     sparse: ClassVar[bool] = False
     drops_eagle_block: ClassVar[bool] = True
 
-    def first_needed(self, tokens: int) -> int:
+    def first_token_needed(self, tokens: int) -> int:
         return 0
 
 
@@ -64,8 +73,9 @@ class FullAttention(GroupKind):
 class SlidingWindow(GroupKind):
     """Attends to the last `window` tokens, the current one included.
 
-    The next token sees `window - 1` earlier tokens, hence `ceil((window - 1) / bs)` blocks
-    (vLLM's `cdiv(sliding_window - 1, block_size)`).
+    The next token sees `window - 1` earlier tokens, from the block holding token
+    `T - window + 1` on (at a block boundary: `ceil((window - 1) / bs)` blocks, vLLM's
+    `cdiv(sliding_window - 1, block_size)`).
     """
 
     window: int
@@ -77,12 +87,8 @@ class SlidingWindow(GroupKind):
         GroupKind.__post_init__(self)
         _require_positive("SlidingWindow", "window", self.window)
 
-    @property
-    def window_blocks(self) -> int:
-        return -(-(self.window - 1) // self.block_size)
-
-    def first_needed(self, tokens: int) -> int:
-        return max(0, tokens // self.block_size - self.window_blocks)
+    def first_token_needed(self, tokens: int) -> int:
+        return max(0, tokens - self.window + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,20 +112,20 @@ class ChunkedLocal(GroupKind):
     def alignment_unit(self) -> int:
         return math.lcm(self.block_size, self.chunk)
 
-    def first_needed(self, tokens: int) -> int:
-        return tokens // self.chunk * self.chunk // self.block_size
+    def first_token_needed(self, tokens: int) -> int:
+        return tokens // self.chunk * self.chunk
 
 
 @dataclass(frozen=True, slots=True)
 class RecurrentState(GroupKind):
     """State that summarises the whole prefix (Mamba "align" snapshots, compressor state).
 
-    Only the snapshot in the block ending at the boundary is needed. Draft heads carry no
-    such state, so EAGLE adds nothing here.
+    Only the snapshot in the block holding the boundary's last token is needed. Draft
+    heads carry no such state, so EAGLE adds nothing here.
     """
 
     sparse: ClassVar[bool] = True
     drops_eagle_block: ClassVar[bool] = False
 
-    def first_needed(self, tokens: int) -> int:
-        return tokens // self.block_size - 1
+    def first_token_needed(self, tokens: int) -> int:
+        return tokens - 1

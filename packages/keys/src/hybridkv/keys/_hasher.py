@@ -10,8 +10,16 @@ where ``H_{-1} = sha256(b"hybridkv-block-hash-v1\\0" || block_size as 8 bytes li
 || namespace as UTF-8)``, ``T_i`` is the block's token ids as 4-byte little-endian unsigned
 integers and ``X_i`` is empty without an extra, else ``sha256`` of the extra as compact JSON
 with sorted keys. Every field has a fixed length or comes last, so no two inputs share an
-encoding. Hashing a block is one C call on bytes cut from one buffer converted once per call,
-which is what makes pure Python fast enough for long prompts.
+encoding. Hashing a block is one C call on bytes cut from one buffer converted once per
+call, which is what makes pure Python fast enough for long prompts.
+
+A prefix that ends inside a block (``n`` tokens, ``n`` not a multiple of the block size,
+``k = n // block_size`` full blocks before it) has the partial hash
+
+    P_n = sha256(b"hybridkv-partial-hash-v1\\0" || H_{k-1} || m as 4 bytes LE || X || T)
+
+with ``T`` the ``m = n - k * block_size`` token ids after the last full block: the tag keeps
+it apart from every block hash and ``m`` says where ``X`` ends.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import array
 import hashlib
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 _SEED_TAG = b"hybridkv-block-hash-v1\0"
+_PARTIAL_TAG = b"hybridkv-partial-hash-v1\0"
 _TOKEN_BYTES = 4
 # The array typecode of a 4-byte unsigned int ("I" on every mainstream platform).
 _TOKEN_TYPECODE = next(code for code in "IL" if array.array(code).itemsize == _TOKEN_BYTES)
@@ -121,6 +130,33 @@ class BlockHasher:
                 "tokens hashed in full blocks"
             )
         return self._hashes[blocks - 1]
+
+    def partial_hash(self, tokens: int, token_ids: Sequence[int], extra: object = None) -> bytes:
+        """The hash of the first ``tokens`` of ``token_ids``, a prefix ending inside a block.
+
+        Names what a prefix cut mid-block leaves behind (a recurrent state after exactly
+        those tokens), so a later request with the same prefix finds it. The full blocks
+        before it must be hashed already; pass the extra given to ``extend``.
+        """
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise TypeError(f"tokens must be an int, got {type(tokens).__name__}")
+        full, rest = divmod(tokens, self._block_size)
+        if tokens <= 0 or not rest:
+            raise ValueError(
+                f"tokens must be positive and not a multiple of block_size {self._block_size}, "
+                f"got {tokens}"
+            )
+        if full > len(self._hashes):
+            raise ValueError(
+                f"tokens {tokens} needs {full} full blocks hashed, only {len(self._hashes)} are"
+            )
+        if len(token_ids) < tokens:
+            raise ValueError(f"token_ids holds {len(token_ids)} tokens, fewer than {tokens}")
+        previous = self._hashes[full - 1] if full else self._seed
+        tail = _token_bytes(token_ids[full * self._block_size : tokens])
+        return hashlib.sha256(
+            _PARTIAL_TAG + previous + rest.to_bytes(4, "little") + _extra_bytes(extra) + tail
+        ).digest()
 
     def hashes_for(self, group_block_size: int) -> list[bytes]:
         """One hash per full block of a group whose blocks cover ``group_block_size`` tokens.
