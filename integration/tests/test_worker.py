@@ -213,6 +213,22 @@ def test_after_a_reset_a_running_request_saves_its_blocks_under_new_keys(rig: An
     assert store.batch_is_readable([key]) == [True]
 
 
+def test_a_prompt_tail_and_the_whole_block_at_its_index_are_two_objects(rig: Any) -> None:
+    """A request saves block 1 first as its prompt's tail (a partial object), then whole
+    once a later chunk completes it: both are stored, neither refused as a rename."""
+    worker, caches, store = rig
+    attn = caches["model.layers.0.attn"]
+    tail = BlockRef(0, 1, 2, b"\x07" * 32, tail=40)
+    _step(worker, [RequestTransfers(request_id="a", saves=[tail])])
+    tail_bytes = attn[2].clone()
+    attn[2].add_(1)  # the next chunk writes the rest of the block
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 1, 2)]))])
+    keys = worker.keys.keys(0, [b"\x07" * 32, bytes([0, 1]) * 16], [0])
+    assert store.batch_is_readable(keys) == [True, True]
+    _step(worker, [RequestTransfers(request_id="b", loads=[BlockRef(0, 1, 5, b"\x07" * 32)])])
+    assert torch.equal(attn[5], tail_bytes)
+
+
 def test_failed_load_reports_local_blocks(rig: Any) -> None:
     worker, _, store = rig
     _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (0, 1, 2)]))])

@@ -63,9 +63,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # AscendStoreConnector's older name for lookup_rpc_port.
     mooncake_rpc_port: Port = 0
     lookup_timeout_ms: Positive = 5000
-    # Objects are whole blocks addressed by content, so a partial block is never stored;
-    # the key exists so AscendStoreConnector configs carry over.
+    # Objects are whole blocks addressed by content; a partial block is stored only as a
+    # prompt tail (below). The key exists so AscendStoreConnector configs carry over.
     discard_partial_chunks: bool = True
+    # Where vLLM's own prefix cache hits inside blocks (Mamba "align" with a
+    # prefix_match_unit finer than the blocks), store and load prompt tails there too.
+    prompt_tails: bool = True
     # Keeps deployments that share one pool apart (also folded into every block hash).
     namespace: str = ""
     # AscendStoreConnector's backend selector; only Mooncake is offered.
@@ -86,7 +89,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if not self.discard_partial_chunks:
             raise ValueError(
                 "discard_partial_chunks=false is not supported: "
-                "hybridkv stores whole blocks only (a partial block has no content key)"
+                "hybridkv stores whole blocks, and partial ones only where vLLM's own prefix "
+                "cache would reuse them (prompt_tails)"
             )
         if "@" in self.namespace:
             raise ValueError(f"namespace must not contain '@': {self.namespace!r}")

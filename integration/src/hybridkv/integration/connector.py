@@ -75,6 +75,35 @@ def plan_from_vllm(
     )
 
 
+def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """vLLM's hash unit where its own prefix cache hits inside blocks, else 0.
+
+    Asks vLLM what its hybrid coordinator asks (a Mamba "align" group with blocks larger
+    than the unit, every other group able to hit at the unit), with prefix caching on.
+    Not with speculative decoding: vLLM then moves the prompt's checkpoint back a unit.
+    """
+    from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    unit = kv_cache_config.hash_block_size
+    groups = kv_cache_config.kv_cache_groups
+    if (
+        not unit
+        or len(groups) < 2
+        or not vllm_config.cache_config.enable_prefix_caching
+        or vllm_config.speculative_config is not None
+    ):
+        return 0
+    managers = []
+    for group in groups:
+        manager = KVCacheSpecRegistry.get_manager_class(group.kv_cache_spec, group.role)
+        if manager is None:
+            return 0
+        managers.append(manager)
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    return unit if partial_hash_hits_enabled(groups, unit, dcp, managers) else 0
+
+
 def _instance_id(vllm_config: VllmConfig) -> str:
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None
@@ -121,7 +150,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
             self._scheduler = SchedulerSide(
-                self.keys, self.config, self._client.query, transfer.kv_role, builder
+                self.keys,
+                self.config,
+                self._client.query,
+                transfer.kv_role,
+                builder,
+                prompt_tail_unit(vllm_config, kv_cache_config),
             )
 
     def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:

@@ -60,6 +60,13 @@ class RequestHashes:
         """One hash per full block of a group with `block_size`-token blocks."""
         return self._hasher.hashes_for(block_size)
 
+    def prefix(self, token_ids: Sequence[int], num_tokens: int) -> bytes:
+        """The hash naming exactly the first `num_tokens` tokens (a prompt tail's objects)."""
+        self.cover(token_ids, num_tokens)
+        if num_tokens % self._hasher.block_size == 0:
+            return self._hasher.boundary_hash(num_tokens)
+        return self._hasher.partial_hash(num_tokens, token_ids, self._extra)
+
 
 class KeySpace:
     """Renders the keys of every group: BlockKey for one group, HybridKey for several."""

@@ -15,6 +15,8 @@ class BlockRef(msgspec.Struct, frozen=True, array_like=True):
     """Block `index` of plan group `group`, held locally in vLLM block `block_id`.
 
     `stored`: for a save with KV events enabled, the event announcing it once stored.
+    `tail`: for a prompt tail's partial object, the tokens of the prefix it ends (block
+    `index` holds them up to there); 0 for a whole block.
     """
 
     group: int
@@ -22,6 +24,7 @@ class BlockRef(msgspec.Struct, frozen=True, array_like=True):
     block_id: int
     block_hash: bytes
     stored: BlockStored | None = None
+    tail: int = 0
 
 
 class StateCopy(msgspec.Struct, frozen=True, array_like=True):

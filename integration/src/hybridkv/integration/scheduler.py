@@ -1,10 +1,16 @@
 """Scheduler-side decisions: how much of a prompt the pool holds, what to load and save.
 
-Sans-I/O except for the one lookup query per request, made through a callable. The hit is
-the coordinator's: it asks which blocks any hit could need (`lookup_mask`), learns their
+Sans-I/O except for the lookup queries, made through a callable. The hit is the
+coordinator's: it asks which blocks any hit could need (`lookup_mask`), learns their
 readability in ONE batched query, and picks the largest boundary every group can serve
 (`find_hit`). Saves follow the coordinator's `store_mask`, one complete block at a time, in
 the step that completes it (a Mamba block holds the state at its end only then).
+
+Prompt tails: where vLLM's own prefix cache hits inside blocks (a Mamba "align" model with
+a `prefix_match_unit` finer than its blocks), vLLM ends a prompt's chunk at its last
+multiple of that unit. The step that ends there also stores each group's block holding
+that prefix as a partial object, named by the prefix's hash; a lookup then asks, in a
+second query, whether such objects extend its aligned hit into the next block.
 """
 
 from __future__ import annotations
@@ -56,7 +62,10 @@ class SchedulerSide:
         query: Query,
         kv_role: str | None = None,
         events: EventBuilder | None = None,
+        tail_unit: int = 0,
     ) -> None:
+        """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
+        tails are stored and looked up at its multiples); 0: whole blocks only."""
         self.keys = keys
         self._events = events
         self.plan = keys.plan
@@ -64,6 +73,7 @@ class SchedulerSide:
         self._loads = config.loads_for(kv_role)
         self._saves = config.saves_for(kv_role)
         self.coordinator = self.plan.coordinator()
+        self._tail_unit = tail_unit if config.prompt_tails else 0
         self._query = query
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _PendingLoad] = {}
@@ -103,7 +113,8 @@ class SchedulerSide:
             return 0, False  # a consumer told not to load, or no token ids to hash
         max_tokens = request.num_tokens - 1
         top = self.coordinator.max_boundary(max_tokens)
-        if top <= num_computed:
+        reach = max_tokens // self._tail_unit * self._tail_unit if self._tail_unit else top
+        if max(top, reach) <= num_computed:
             return 0, False
         tracked = self._track(request)
         tracked.hashes.cover(request.all_token_ids, top)
@@ -111,6 +122,8 @@ class SchedulerSide:
         if readable is None:
             return 0, False
         hit = self.coordinator.find_hit(max_tokens, readable)
+        if self._tail_unit:
+            hit = self._extend_by_tail(tracked, hit, max_tokens, num_computed)
         if hit.tokens <= num_computed:
             self._pending.pop(request.request_id, None)
             return 0, False
@@ -143,6 +156,38 @@ class SchedulerSide:
             position += heads
         return tuple(tuple(column) for column in readable)
 
+    def _extend_by_tail(self, tracked: _Tracked, hit: Hit, max_tokens: int, local: int) -> Hit:
+        """The largest prompt tail past `hit` whose partial objects every group has."""
+        candidates = [
+            tokens
+            for tokens in self.coordinator.tail_boundaries(hit.tokens, max_tokens, self._tail_unit)
+            if tokens > local
+        ]
+        if not candidates:
+            return hit
+        token_ids = tracked.request.all_token_ids
+        tails: list[tuple[Hit, int]] = []  # (tail hit, keys asked about it)
+        keys: list[str] = []
+        for tokens in candidates:
+            tail = self.coordinator.tail_hit(tokens)
+            block_hash = tracked.hashes.prefix(token_ids, tokens)
+            asked = 0
+            for group, mask in enumerate(tail.load_masks):
+                if mask[-1]:  # the group keeps a partial block there
+                    heads = self.plan.groups[group].heads.heads
+                    keys.extend(self.keys.keys(group, [block_hash], heads))
+                    asked += len(heads)
+            tails.append((tail, asked))
+        answers = self._query(keys)
+        if answers is None:
+            return hit
+        position = 0
+        for tail, asked in tails:  # largest first
+            if all(answers[position : position + asked]):
+                return tail
+            position += asked
+        return hit
+
     # -- allocation -------------------------------------------------------------------
 
     def after_alloc(self, request: Any, block_ids: Sequence[list[int]], external: int) -> None:
@@ -158,6 +203,7 @@ class SchedulerSide:
                 f"{pending.hit.tokens} tokens"
             )
         loads: list[BlockRef] = []
+        hit = pending.hit.tokens
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             hashes = tracked.hashes.for_group(size)
@@ -170,7 +216,11 @@ class SchedulerSide:
                         f"request {request.request_id}: vLLM gave the null block to "
                         f"group {plan.vllm_group_id} block {block}, which the hit needs"
                     )
-                loads.append(BlockRef(group, block, ids[block], hashes[block]))
+                if (block + 1) * size <= hit:
+                    loads.append(BlockRef(group, block, ids[block], hashes[block]))
+                else:  # the partial block of a prompt tail
+                    tail_hash = tracked.hashes.prefix(request.all_token_ids, hit)
+                    loads.append(BlockRef(group, block, ids[block], tail_hash, tail=hit))
             tracked.scanned[group] = max(tracked.scanned[group], pending.hit.tokens // size)
         self.hit_tokens += external
         self._ready[request.request_id] = RequestTransfers(
@@ -272,11 +322,35 @@ class SchedulerSide:
                         stored = self._events(request, plan.vllm_group_id, size, block)
                     saves.append(BlockRef(group, block, ids[block], hashes[block], stored))
             tracked.scanned[group] = complete
+        saves.extend(self._tail_saves(tracked, done, table))
         if saves:
             entry = step.setdefault(
                 request.request_id, RequestTransfers(request_id=request.request_id)
             )
             entry.saves.extend(saves)
+
+    def _tail_saves(
+        self, tracked: _Tracked, done: int, table: Sequence[Sequence[int]]
+    ) -> list[BlockRef]:
+        """A step whose prompt chunk ends inside a block, at a multiple of the tail unit,
+        leaves every group's KV of exactly that prefix (a recurrent state after exactly
+        those tokens): stored as partial objects, before the next step overwrites the state.
+        """
+        request = tracked.request
+        unit = self._tail_unit
+        if not unit or done % unit or done > request.num_prompt_tokens:
+            return []
+        if not self.coordinator.is_tail_boundary(done):
+            return []
+        tail_hash = tracked.hashes.prefix(request.all_token_ids, done)
+        saves = []
+        for group, mask in enumerate(self.coordinator.tail_hit(done).load_masks):
+            plan = self.plan.groups[group]
+            block = done // plan.block_size
+            ids = table[plan.vllm_group_id]
+            if mask[-1] and block < len(ids) and ids[block] != NULL_BLOCK_ID:
+                saves.append(BlockRef(group, block, ids[block], tail_hash, tail=done))
+        return saves
 
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)

