@@ -60,10 +60,13 @@ def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Tai
         )
         return run_instance(spec, runs_dir, f"tails-{name}", env)
 
-    connector = {"namespace": "prompt-tails"}
+    # The writer saves layer by layer, the reader loads in the background (vLLM's async
+    # load path), the corrupted reader layer by layer: tails take every path.
+    layerwise = {"namespace": "prompt-tails", "use_layerwise": True}
+    in_background = {"namespace": "prompt-tails", "load_async": True}
     before = set(list_pool_keys(pool.http))
-    writer = run("writer", [Step(prompts=[WRITTEN], snapshot_keys=True)], connector)
-    reader = run("reader", [Step(prompts=[EXTENDED]), Step(prompts=[WRITTEN])], connector)
+    writer = run("writer", [Step(prompts=[WRITTEN], snapshot_keys=True)], layerwise)
+    reader = run("reader", [Step(prompts=[EXTENDED]), Step(prompts=[WRITTEN])], in_background)
     # Overwrite every recurrent state the writer stored (the tail's among them): a reader
     # resuming at the tail must now compute something else.
     (written_keys,) = keys_added_by_step(["written"], writer.steps, before).values()
@@ -71,7 +74,7 @@ def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Tai
     states = [k for k in written_keys if kv_groups[group_of(k)] == "MambaSpec"]
     assert len(states) == 4, states  # after 640, 1280 and 1920 tokens, and the tail's
     pool.surgeon.corrupt(states, bfloat16=True)
-    corrupted = run("corrupted", [Step(prompts=[EXTENDED_AGAIN])], connector)
+    corrupted = run("corrupted", [Step(prompts=[EXTENDED_AGAIN])], layerwise)
     # Each step drops the local prefix cache first, except the one resuming from it.
     plain = [
         Step(prompts=[WRITTEN]),
