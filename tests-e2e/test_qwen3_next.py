@@ -13,15 +13,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, LOGPROB_TOLERANCE, group_of, keys_added_by_step, logprob_gap
-from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
+from scenario import (
+    CHANGED,
+    LOGPROB_TOLERANCE,
+    QWEN3_NEXT_BLOCK,
+    group_of,
+    keys_added_by_step,
+    logprob_gap,
+    qwen3_next_runner,
+)
+from vllm_instance import PromptResult, Step, list_pool_keys
 
-BLOCK = 640  # vLLM's choice for this model: the attention page matched to the state's
+BLOCK = QWEN3_NEXT_BLOCK
 PROMPTS = {
     "clean": tinymodels.prompt_ids(70, 2500),  # hit 1920: three blocks
     "state_corrupted": tinymodels.prompt_ids(71, 1300),  # hit 1280
@@ -40,22 +47,7 @@ class Qwen3NextRun:
 
 @pytest.fixture(scope="module")
 def qwen3_next(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Qwen3NextRun:
-    built = tinymodels.build("qwen3_next", models_dir)
-    env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-    def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> Any:
-        spec = InstanceSpec(
-            model=str(built.path),
-            block_size=BLOCK,
-            max_num_batched_tokens=BLOCK,
-            dtype="bfloat16",
-            connector=connector,
-            master_http=pool.http,
-            steps=steps,
-            report_kv_groups=True,
-        )
-        return run_instance(spec, runs_dir, f"qwen3-next-{name}", env)
-
+    run = qwen3_next_runner(models_dir, runs_dir, pool.config_path, pool.http, "qwen3-next")
     before = set(list_pool_keys(pool.http))
     per_prompt = [Step(prompts=[p], snapshot_keys=True) for p in PROMPTS.values()]
     written = run("writer", per_prompt, {"namespace": "qwen3-next"})
