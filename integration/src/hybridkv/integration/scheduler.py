@@ -204,6 +204,7 @@ class SchedulerSide:
             )
         loads: list[BlockRef] = []
         hit = pending.hit.tokens
+        tail_hash = b""  # the prefix's own hash, for the partial blocks of a prompt tail
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             hashes = tracked.hashes.for_group(size)
@@ -218,8 +219,8 @@ class SchedulerSide:
                     )
                 if (block + 1) * size <= hit:
                     loads.append(BlockRef(group, block, ids[block], hashes[block]))
-                else:  # the partial block of a prompt tail
-                    tail_hash = tracked.hashes.prefix(request.all_token_ids, hit)
+                else:
+                    tail_hash = tail_hash or tracked.hashes.prefix(request.all_token_ids, hit)
                     loads.append(BlockRef(group, block, ids[block], tail_hash, tail=hit))
             tracked.scanned[group] = max(tracked.scanned[group], pending.hit.tokens // size)
         self.hit_tokens += external
