@@ -252,7 +252,9 @@ def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit
     reader = request("r", prompt + list(range(900, 920)))
     assert side.num_new_matched_tokens(reader, 0) == (176, False)
     tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
+    side.take_stats()  # the writer's lookups
     side.after_alloc(reader, tables, 176)
+    assert side.take_stats() == {"hit_tokens": 176, "tail_hit_tokens": 16, "lookups": 0}
     output = scheduler_output(new=[("r", tables, 176, 16)], tables={"r": tables})
     (transfers,) = side.build_meta(output).requests
     loads = {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads}

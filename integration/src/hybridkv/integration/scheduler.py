@@ -50,6 +50,7 @@ class _Tracked:
 class _PendingLoad:
     local_tokens: int
     hit: Hit
+    tail_tokens: int = 0  # of the hit, those past the last block end (a prompt tail)
 
 
 class SchedulerSide:
@@ -79,6 +80,7 @@ class SchedulerSide:
         self._pending: dict[str, _PendingLoad] = {}
         self._ready: dict[str, RequestTransfers] = {}
         self.hit_tokens = 0
+        self.tail_hit_tokens = 0
         self.lookups = 0
         self.generation = 0
 
@@ -121,13 +123,14 @@ class SchedulerSide:
         readable = self._readable(tracked, self.coordinator.lookup_mask(max_tokens), num_computed)
         if readable is None:
             return 0, False
-        hit = self.coordinator.find_hit(max_tokens, readable)
+        aligned = hit = self.coordinator.find_hit(max_tokens, readable)
         if self._tail_unit:
             hit = self._extend_by_tail(tracked, hit, max_tokens, num_computed)
         if hit.tokens <= num_computed:
             self._pending.pop(request.request_id, None)
             return 0, False
-        self._pending[request.request_id] = _PendingLoad(num_computed, hit)
+        tail_tokens = hit.tokens - max(aligned.tokens, num_computed)
+        self._pending[request.request_id] = _PendingLoad(num_computed, hit, tail_tokens)
         return hit.tokens - num_computed, self.config.load_async
 
     def _readable(self, tracked: _Tracked, mask: Masks, local: int) -> Masks | None:
@@ -224,6 +227,7 @@ class SchedulerSide:
                     loads.append(BlockRef(group, block, ids[block], tail_hash, tail=hit))
             tracked.scanned[group] = max(tracked.scanned[group], pending.hit.tokens // size)
         self.hit_tokens += external
+        self.tail_hit_tokens += pending.tail_tokens
         self._ready[request.request_id] = RequestTransfers(
             request_id=request.request_id, loads=loads, load_async=self.config.load_async
         )
@@ -359,6 +363,10 @@ class SchedulerSide:
         self._ready.pop(request_id, None)
 
     def take_stats(self) -> dict[str, int]:
-        stats = {"hit_tokens": self.hit_tokens, "lookups": self.lookups}
-        self.hit_tokens = self.lookups = 0
+        stats = {
+            "hit_tokens": self.hit_tokens,
+            "tail_hit_tokens": self.tail_hit_tokens,
+            "lookups": self.lookups,
+        }
+        self.hit_tokens = self.tail_hit_tokens = self.lookups = 0
         return stats

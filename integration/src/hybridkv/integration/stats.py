@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 FIELDS = (
     "hit_tokens",
+    "tail_hit_tokens",
     "lookups",
     "loaded_blocks",
     "loaded_bytes",
@@ -91,6 +92,7 @@ class Counters:
 # one); its name is the field's, "_s" spelled "_seconds", and the exposition adds "_total".
 PROMETHEUS_HELP = {
     "hit_tokens": "Prompt tokens the pool held when vLLM asked",
+    "tail_hit_tokens": "Of the hit tokens, those past a block end (prompt tails)",
     "lookups": "Pool lookups made for requests",
     "loaded_blocks": "Blocks loaded from the pool",
     "loaded_bytes": "Bytes loaded from the pool",
