@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,11 +30,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
+from load_watch import LoadWatch
 from vllm_instance import InstanceSpec, PromptResult, Step, run_instance
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
-BLOCK = 640  # vLLM's block for tiny Qwen3-Next (the attention page matched to the state's)
+BLOCK = tinymodels.QWEN3_NEXT_ENGINE["block_size"]
 UNIT = 64
 PROMPT = 2500  # a tail at 2496, the last block end at 1920
 SUFFIX = 16  # the next turn's new tokens
@@ -65,9 +65,7 @@ def main() -> int:
             warmup = Step(prompts=[tinymodels.prompt_ids(2, BLOCK + 8)], max_tokens=1)
             spec = InstanceSpec(
                 model=str(model.path),
-                block_size=BLOCK,
-                max_num_batched_tokens=BLOCK,
-                dtype="bfloat16",
+                **tinymodels.QWEN3_NEXT_ENGINE,
                 connector=connector,
                 steps=[warmup, Step(prompts=prompts, max_tokens=1, logprobs=1)],
                 prefix_match_unit=UNIT,
@@ -80,7 +78,7 @@ def main() -> int:
             f"read back with {SUFFIX} new tokens; TTFT medians, each instance a process",
             flush=True,
         )
-        load_before = os.getloadavg()[0]
+        load = LoadWatch()
         cold = _ttft_ms(run("cold", None, turns))
         print(f"  cold, no connector            TTFT {cold:8.1f} ms", flush=True)
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "1GB"):
@@ -99,10 +97,7 @@ def main() -> int:
                     f"   hits {[p.external_hit_tokens for p in prompts]}",
                     flush=True,
                 )
-        print(
-            f"  1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} "
-            f"at the end on {os.cpu_count()} CPUs: above ~1 other work skews the ratios"
-        )
+        print(load.report())
     return 0
 
 

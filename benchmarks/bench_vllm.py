@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
+from load_watch import LoadWatch
 from vllm_instance import InstanceResult, InstanceSpec, PromptResult, Step, run_instance
 
 from hybridkv.transport import MasterProcess, SegmentHolder
@@ -119,7 +119,7 @@ def main() -> int:
             "requests, each instance a process of its own",
             flush=True,
         )
-        load_before = os.getloadavg()[0]
+        load = LoadWatch()
         fresh = [bench.fresh_prompt(200 + i) for i in range(len(bench.warm_prompts))]
         cold = _ttft(bench.run("cold", None, [fresh]).steps[1].prompts)
         print(f"  cold, no connector             TTFT {_ms(cold)} ms", flush=True)
@@ -191,10 +191,7 @@ def main() -> int:
                 f"{_ms(_tail(warm, 'load_wait_s'))}    {_ms(_tail(warm, 'finish_wait_s'))}"
                 f"  {_ms(_tail(warm, 'exposed_tail_s'))}"
             )
-        print(
-            f"  1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} "
-            f"at the end on {os.cpu_count()} CPUs: above ~1 other work skews the ratios"
-        )
+        print(load.report())
     return 0
 
 

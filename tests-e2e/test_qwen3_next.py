@@ -20,7 +20,6 @@ from conftest import Pool
 from scenario import (
     CHANGED,
     LOGPROB_TOLERANCE,
-    QWEN3_NEXT_BLOCK,
     group_of,
     keys_added_by_step,
     logprob_gap,
@@ -28,7 +27,7 @@ from scenario import (
 )
 from vllm_instance import PromptResult, Step, list_pool_keys
 
-BLOCK = QWEN3_NEXT_BLOCK
+BLOCK = tinymodels.QWEN3_NEXT_ENGINE["block_size"]
 PROMPTS = {
     "clean": tinymodels.prompt_ids(70, 2500),  # hit 1920: three blocks
     "state_corrupted": tinymodels.prompt_ids(71, 1300),  # hit 1280
