@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from conftest import attention, groups, mamba, request, scheduler_output
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
@@ -304,3 +306,29 @@ def test_tails_only_at_unit_multiples_inside_the_prompt(vllm_specs: Any) -> None
     # decode past the prompt neither.
     saves = _write_prompt(side, pool, TOKENS[:192], [170, 192, 193, 200])
     assert not [ref for ref in saves if ref.tail]
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.integers(1, 200), st.integers(0, 220), st.integers(1, 40))
+def test_a_reader_finds_what_a_writer_stored_whole_blocks_and_tails(
+    vllm_specs: Any, written_length: int, shared: int, extra: int
+) -> None:
+    """Oracle: the writer stores the whole blocks of its prompt and a tail where a chunk
+    ends inside a block at a multiple of 8 (vLLM's checkpoint, the prompt's end); a reader
+    sharing `shared` tokens with it resumes at the largest of those it may use."""
+    side, pool = _tail_side(vllm_specs)
+    written = TOKENS[:written_length]
+    checkpoint = (written_length - 1) // 8 * 8  # where vLLM ends a chunk for the tail
+    chunks = sorted({*range(32, written_length + 1, 32), checkpoint, written_length} - {0})
+    _write_prompt(side, pool, written, chunks)
+    shared = min(shared, written_length)
+    reader = written[:shared] + [5000 + i for i in range(extra)]  # never the writer's
+    cap = len(reader) - 1
+    usable = min(shared, cap)
+    whole = min(usable, written_length) // 32 * 32
+    tails = {end for end in chunks if end % 8 == 0 and end % 32}
+    expected = max([whole, *(t for t in tails if whole < t <= usable and t < whole + 32)])
+    got, _ = side.num_new_matched_tokens(request("r", reader), 0)
+    assert got == expected
