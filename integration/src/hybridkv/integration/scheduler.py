@@ -135,61 +135,72 @@ class SchedulerSide:
 
     def _readable(self, tracked: _Tracked, mask: Masks, local: int) -> Masks | None:
         """Readability of the masked blocks; blocks vLLM already holds count as readable."""
-        asked: list[tuple[int, int]] = []
-        keys: list[str] = []
+        asked: list[list[int]] = []
+        batches: list[tuple[int, list[bytes]]] = []
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             hashes = tracked.hashes.for_group(size)
             blocks = [b for g, b in marked_blocks(mask) if g == group and (b + 1) * size > local]
-            asked.extend((group, block) for block in blocks)
-            keys.extend(self.keys.keys(group, [hashes[b] for b in blocks], plan.heads.heads))
+            asked.append(blocks)
+            batches.append((group, [hashes[b] for b in blocks]))
         self.lookups += 1
-        answers = self._query(keys) if keys else []
+        answers = self._every_head_readable(batches)
         if answers is None:
             return None
         readable = [
             [(b + 1) * plan.block_size <= local for b in range(len(mask[g]))]
             for g, plan in enumerate(self.plan.groups)
         ]
-        position = 0
-        for group, block in asked:
-            heads = self.plan.groups[group].heads.storing
-            # A block is usable only if EVERY storing head's object is there.
-            readable[group][block] = all(answers[position : position + heads])
-            position += heads
+        for group, (blocks, column) in enumerate(zip(asked, answers, strict=True)):
+            for block, ok in zip(blocks, column, strict=True):
+                readable[group][block] = ok
         return tuple(tuple(column) for column in readable)
 
     def _extend_by_tail(self, tracked: _Tracked, hit: Hit, max_tokens: int, local: int) -> Hit:
         """The largest prompt tail past `hit` whose partial objects every group has."""
-        candidates = [
-            tokens
+        tails = [
+            self.coordinator.tail_hit(tokens)
             for tokens in self.coordinator.tail_boundaries(hit.tokens, max_tokens, self._tail_unit)
             if tokens > local
         ]
-        if not candidates:
+        if not tails:
             return hit
         token_ids = tracked.request.all_token_ids
-        tails: list[tuple[Hit, int]] = []  # (tail hit, keys asked about it)
-        keys: list[str] = []
-        for tokens in candidates:
-            tail = self.coordinator.tail_hit(tokens)
-            block_hash = tracked.hashes.prefix(token_ids, tokens)
-            asked = 0
-            for group, mask in enumerate(tail.load_masks):
-                if mask[-1]:  # the group keeps a partial block there
-                    heads = self.plan.groups[group].heads.heads
-                    keys.extend(self.keys.keys(group, [block_hash], heads))
-                    asked += len(heads)
-            tails.append((tail, asked))
-        answers = self._query(keys)
+        # Per tail, the groups keeping a partial block there (the last one they need).
+        keeping = [[g for g, mask in enumerate(tail.load_masks) if mask[-1]] for tail in tails]
+        batches = [
+            (group, [tracked.hashes.prefix(token_ids, tail.tokens)])
+            for tail, groups in zip(tails, keeping, strict=True)
+            for group in groups
+        ]
+        answers = self._every_head_readable(batches)
         if answers is None:
             return hit
-        position = 0
-        for tail, asked in tails:  # largest first
-            if all(answers[position : position + asked]):
+        found = iter(answers)
+        for tail, groups in zip(tails, keeping, strict=True):  # largest first
+            if all([next(found)[0] for _ in groups]):  # a list: take every answer
                 return tail
-            position += asked
         return hit
+
+    def _every_head_readable(
+        self, batches: Sequence[tuple[int, Sequence[bytes]]]
+    ) -> list[list[bool]] | None:
+        """Per (plan group, block hashes) batch, whether each hash's objects are readable,
+        learnt in ONE query (None if it failed): usable only if EVERY storing head's is."""
+        keys: list[str] = []
+        for group, hashes in batches:
+            keys.extend(self.keys.keys(group, hashes, self.plan.groups[group].heads.heads))
+        answers = self._query(keys) if keys else []
+        if answers is None:
+            return None
+        readable: list[list[bool]] = []
+        position = 0
+        for group, hashes in batches:
+            heads = self.plan.groups[group].heads.storing
+            stop = position + heads * len(hashes)
+            readable.append([all(answers[at : at + heads]) for at in range(position, stop, heads)])
+            position = stop
+        return readable
 
     # -- allocation -------------------------------------------------------------------
 
