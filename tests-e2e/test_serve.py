@@ -6,7 +6,8 @@ named only by `kv_connector` (the plugin entry point registers it) and the Moonc
 settings from `MOONCAKE_CONFIG_PATH`. The first server stores a prompt's KV and is shut
 down; the second, started afterwards, must load it (vLLM's own external-hit counter on
 `/metrics` says how much, and so do hybridkv's own counters there) and answer exactly as
-the first did: same tokens, same top-5 logprobs.
+the first did: same tokens, same top-5 logprobs. Stopping a server leaves no file of
+ours in its temp directory.
 """
 
 from __future__ import annotations
@@ -140,12 +141,20 @@ Served = tuple[dict[str, Any], dict[str, float]]  # the answer, the counters it 
 
 
 @pytest.fixture(scope="module")
+def serve_temp(runs_dir: Path) -> Path:
+    """The servers' TMPDIR."""
+    temp = runs_dir / "serve-tmp"
+    temp.mkdir()
+    return temp
+
+
+@pytest.fixture(scope="module")
 def served_twice(
-    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path, serve_temp: Path
 ) -> tuple[Served, Served]:
     """What the writing server, then the reading one, answered and counted."""
     model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
-    env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path)}
+    env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path), "TMPDIR": str(serve_temp)}
     runs = []
     for name in ("writer", "reader"):
         with served(model, env, runs_dir / f"serve-{name}.log") as server:
@@ -175,3 +184,9 @@ def test_second_server_answers_exactly_as_the_first(served_twice: tuple[Served, 
     assert len(writer["logprobs"]["tokens"]) == 4
     assert reader["text"] == writer["text"]
     assert reader["logprobs"] == writer["logprobs"]  # token ids, logprobs and the top 5
+
+
+def test_stopped_servers_leave_no_files_of_ours(
+    served_twice: tuple[Served, Served], serve_temp: Path
+) -> None:
+    assert [path.name for path in serve_temp.rglob("hybridkv*")] == []

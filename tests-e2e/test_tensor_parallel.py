@@ -14,6 +14,10 @@ The negative control corrupts only the objects of the second rank's head: the re
 output must change, so that rank does load its own objects (had it loaded the first
 rank's, or nothing, the clean prompt would not match either). A TP=1 instance must find
 nothing a TP=2 instance wrote: the layout digest keeps them apart.
+
+Without `MOONCAKE_CONFIG_PATH` rank 0 starts an embedded master and hands its address to
+rank 1 over vLLM's tensor-parallel group: one such instance reloads its own prompt from it
+on both ranks, and no file of ours is left in its temp directory.
 """
 
 from __future__ import annotations
@@ -60,9 +64,29 @@ class TensorParallelRun:
     single_rank_hits: dict[str, int]  # a TP=1 reader of the same namespace
 
 
-def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
+def _instance(
+    models: Path,
+    shape: str,
+    steps: list[Step],
+    connector: dict[str, object] | None,
+    ranks: int = RANKS,
+    master_http: str | None = None,
+) -> InstanceSpec:
+    """An instance of `shape`'s model (connector None: none at all)."""
     model, hidden = SHAPES[shape]
     built = tinymodels.build(model, models, layers=4, hidden=hidden)
+    return InstanceSpec(
+        model=str(built.path),
+        block_size=BLOCK,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        connector=None if connector is None else {"namespace": f"tp-{shape}", **connector},
+        master_http=master_http,
+        steps=steps,
+        tensor_parallel_size=ranks,
+    )
+
+
+def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
     env = {
         "MOONCAKE_CONFIG_PATH": str(pool.config_path),
         "VLLM_CPU_OMP_THREADS_BIND": thread_binding(RANKS),
@@ -71,15 +95,7 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
     def spec(
         steps: list[Step], connector: dict[str, object] | None, ranks: int = RANKS
     ) -> InstanceSpec:
-        return InstanceSpec(
-            model=str(built.path),
-            block_size=BLOCK,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            connector=None if connector is None else {"namespace": f"tp-{shape}", **connector},
-            master_http=pool.http,
-            steps=steps,
-            tensor_parallel_size=ranks,
-        )
+        return _instance(models, shape, steps, connector, ranks, pool.http)
 
     before = set(list_pool_keys(pool.http))
     steps = [Step(prompts=[prompt], snapshot_keys=True) for prompt in PROMPTS.values()]
@@ -180,3 +196,31 @@ def test_single_rank_instance_finds_nothing_of_two_ranks(
     runs: dict[str, TensorParallelRun | Exception], shape: str
 ) -> None:
     assert _outcome(runs, shape).single_rank_hits == dict.fromkeys(PROMPTS, 0)
+
+
+@dataclass
+class EmbeddedRun:
+    prompts: list[PromptResult]  # the clean prompt, then again from the embedded pool
+    left_files: list[str]  # ours, in the instance's temp directory
+
+
+@pytest.fixture(scope="module")
+def embedded(vllm_ready: None, models_dir: Path, runs_dir: Path) -> EmbeddedRun:
+    """A TP=2 reader-writer with no `MOONCAKE_CONFIG_PATH`, the clean prompt twice (vLLM's
+    own cache dropped in between, so the second hit can only come from the pool)."""
+    temp = runs_dir / "tp-embedded-tmp"
+    temp.mkdir()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(RANKS), "TMPDIR": str(temp)}
+    twice = [Step(prompts=[PROMPTS["clean"]] * 2)]
+    spec = _instance(models_dir, "split", twice, {**READER, "namespace": "tp-embedded"})
+    result = run_instance(spec, runs_dir, "tp-embedded", env)
+    return EmbeddedRun(result.steps[0].prompts, sorted(p.name for p in temp.rglob("hybridkv*")))
+
+
+def test_embedded_master_serves_both_ranks(embedded: EmbeddedRun) -> None:
+    cold, warm = embedded.prompts
+    assert cold.external_hit_tokens == 0
+    assert warm.external_hit_tokens == EXPECTED_HITS["clean"]
+    assert warm.token_ids == cold.token_ids
+    assert logprob_gap(warm, cold) <= LOGPROB_TOLERANCE
+    assert embedded.left_files == []

@@ -2,14 +2,16 @@
 real Mooncake master and segment holder.
 
 Proves what the in-process tests cannot: the plugin registers the connector by name in
-every process vLLM starts, the scheduler finds worker rank 0's lookup server through the
-published port across processes, and a hit read back from the real pool reproduces the
-cold run exactly. Reuse across vLLM instances lives in tests-e2e.
+every process vLLM starts, the scheduler finds worker rank 0's lookup server in another
+process (its port comes through vLLM's connector handshake), and a hit read back from the
+real pool reproduces the cold run exactly, with a shared master and with the embedded one.
+Reuse across vLLM instances lives in tests-e2e.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,50 @@ def test_scheduler_looks_up_a_worker_process_over_real_mooncake(
     assert cold[2] == 0
     assert warm[2] == HIT
     assert warm[:2] == cold[:2]
+
+
+def _masters_running() -> set[int]:
+    """Pids of every mooncake_master process on this machine."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            if any(arg.endswith(b"mooncake_master") for arg in argv[:2]):
+                found.add(int(entry.name))
+    return found
+
+
+def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`MOONCAKE_CONFIG_PATH` unset: worker rank 0 starts a master of its own. Its KV is
+    reused within the instance, and after shutdown neither the master nor any file of
+    ours is left (the temp directory of every process is this test's own)."""
+    _require("vllm")
+    _require("transformers")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build("llama", tmp_path)
+    before = _masters_running()
+    llm = new_llm(model, {"namespace": "embedded"}, distributed_executor_backend="mp")
+    try:
+        started = _masters_running() - before
+        cold = complete(llm)
+        assert llm.reset_prefix_cache()
+        warm = complete(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert len(started) == 1  # the embedded one
+    assert cold[2] == 0
+    assert warm[2] == HIT
+    assert warm[:2] == cold[:2]
+    assert not started & _masters_running()
+    assert [p.name for p in temp.rglob("hybridkv*")] == []
+    assert os.environ["TMPDIR"] == str(temp)

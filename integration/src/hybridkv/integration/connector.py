@@ -7,14 +7,15 @@ digest) from `kv_cache_config`, so they agree on every key without talking about
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
@@ -29,9 +30,6 @@ from hybridkv.integration.lookup import (
     LOOPBACK,
     LookupClient,
     LookupServer,
-    publish_port,
-    published_address,
-    rendezvous_path,
 )
 from hybridkv.integration.metadata import HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
@@ -104,10 +102,11 @@ def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     return unit if partial_hash_hits_enabled(groups, unit, dcp, managers) else 0
 
 
-def _instance_id(vllm_config: VllmConfig) -> str:
-    transfer = vllm_config.kv_transfer_config
-    assert transfer is not None
-    return f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_rank}"
+@dataclass(frozen=True)
+class LookupEndpoint(KVConnectorHandshakeMetadata):
+    """Worker rank 0's lookup port, handed to the scheduler by vLLM's engine core."""
+
+    port: int
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -128,7 +127,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
         self.keys = KeySpace(self.plan, model_name(vllm_config.model_config.model))
-        self._instance = _instance_id(vllm_config)
+        self._lookup_port = self.config.lookup_port  # 0 until the handshake says
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
         self._worker: WorkerSide | None = None
@@ -168,9 +167,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return EventBuilder(hash_block_size, specs)
 
     def _lookup_address(self) -> str | None:
-        if self.config.lookup_port:
-            return f"tcp://{LOOPBACK}:{self.config.lookup_port}"
-        return published_address(rendezvous_path(self._instance))
+        return f"tcp://{LOOPBACK}:{self._lookup_port}" if self._lookup_port else None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Where worker rank 0 listens: vLLM collects every rank's `get_handshake_metadata`
+        after the KV caches are registered and hands it here, before the first request."""
+        endpoint = metadata.get(0)
+        if isinstance(endpoint, LookupEndpoint):
+            self._lookup_port = endpoint.port
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -254,13 +260,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
         from vllm.model_executor.models.utils import extract_layer_index
 
         tp_rank = get_tensor_model_parallel_rank()
+        tp_group = get_tp_group()
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
-        pool = open_pool(self.config, self._instance, tp_rank)
+        pool = open_pool(self.config, tp_rank, tp_group.broadcast_object)
         device = self._vllm_config.device_config.device_type
         contiguous = all(layout.contiguous for layout in layouts)
         try:
@@ -291,11 +298,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._server = LookupServer(
                 engine.batch_is_readable, self.config.lookup_port, self._remove_from_pool
             )
-            if not self.config.lookup_port:
-                path = rendezvous_path(self._instance)
-                publish_port(path, self._server.port)
-                self._pool.files.append(path)
-                atexit.register(path.unlink, missing_ok=True)  # if vLLM never calls shutdown
+
+    def get_handshake_metadata(self) -> LookupEndpoint | None:
+        return None if self._server is None else LookupEndpoint(self._server.port)
 
     def _remove_from_pool(self, prefixes: Sequence[str]) -> int:
         # Not forced: an object read in the last lease period may still be in flight to

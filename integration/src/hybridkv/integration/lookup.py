@@ -5,17 +5,15 @@ per lookup carries every key of that lookup (msgspec-encoded); a cache reset ask
 model's objects to be removed the same way. The server answers every request, a malformed
 one with an error, and survives anything a request does; the client gives up after a
 timeout and reports "unknown", which the scheduler treats as a miss (recompute), never as
-a hang.
+a hang. The scheduler learns the server's port through vLLM's connector handshake (worker
+handshake metadata, collected by the engine core once the KV caches are registered).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -48,12 +46,6 @@ _decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
 
 Readability = Callable[[Sequence[str]], list[bool]]
 Removal = Callable[[Sequence[str]], int]
-
-
-def rendezvous_path(instance: str) -> Path:
-    """Where worker rank 0 publishes its lookup port for the scheduler of `instance`."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance)
-    return Path(tempfile.gettempdir()) / f"hybridkv-lookup-{safe}.port"
 
 
 class LookupServer:
@@ -193,17 +185,3 @@ class LookupClient:
     def close(self) -> None:
         self._reset()
         self._context.term()
-
-
-def publish_port(path: Path, port: int) -> None:
-    """Write atomically so a reader never sees half a port number."""
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(str(port))
-    staging.replace(path)
-
-
-def published_address(path: Path) -> str | None:
-    try:
-        return f"tcp://{LOOPBACK}:{int(path.read_text())}"
-    except (FileNotFoundError, ValueError):
-        return None

@@ -1,27 +1,24 @@
 """Opening the pool a worker stores into: Mooncake (configured or embedded) or memory.
 
 With `MOONCAKE_CONFIG_PATH` unset, worker rank 0 starts its own `mooncake_master` on
-loopback and every rank of the instance joins it: the embedded default needs no setup but
-its data dies with the instance. Cross-instance reuse needs a shared master and a
-segment holder that outlives the instances (see the README).
+loopback and tells the other ranks its address over the tensor-parallel group (no file
+to leave behind if the instance is killed); every rank joins it. The embedded default
+needs no setup but its data dies with the instance. Cross-instance reuse needs a shared
+master and a segment holder that outlives the instances (see the README).
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from hybridkv.integration.config import ConnectorConfig, mooncake_config_from_env
-from hybridkv.integration.lookup import publish_port
 from hybridkv.transport import MasterProcess, MemoryStore, MooncakeConfig, MooncakeStore, Store
 
 logger = logging.getLogger(__name__)
 
-_RENDEZVOUS_TIMEOUT_S = 120.0
 _memory_store: MemoryStore | None = None
 _memory_lock = threading.Lock()
 
@@ -35,9 +32,9 @@ def process_memory_store() -> MemoryStore:
         return _memory_store
 
 
-def master_rendezvous(instance: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance)
-    return Path(tempfile.gettempdir()) / f"hybridkv-master-{safe}.port"
+# Rank 0 sends what it has to every rank and returns it; the others return what it sent.
+# All ranks call it once, together (vLLM's tensor-parallel group broadcast).
+Broadcast = Callable[[str | None], str | None]
 
 
 @dataclass
@@ -46,7 +43,6 @@ class Pool:
 
     store: Store
     master: MasterProcess | None = None
-    files: list[Path] = field(default_factory=list)
     # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see `granularity_for`.
     rdma: bool = False
 
@@ -55,32 +51,33 @@ class Pool:
             self.store.close()
         if self.master is not None:
             self.master.stop()
-        for path in self.files:
-            path.unlink(missing_ok=True)
 
 
-def _wait_for_master(path: Path) -> str:
-    deadline = time.monotonic() + _RENDEZVOUS_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            return f"127.0.0.1:{int(path.read_text())}"
-        except (FileNotFoundError, ValueError):
-            time.sleep(0.1)
-    raise TimeoutError(f"rank 0 did not publish its embedded Mooncake master in {path}")
+def open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast) -> Pool:
+    """The store this worker uses, started as the configuration asks.
 
-
-def open_pool(config: ConnectorConfig, instance: str, tp_rank: int) -> Pool:
-    """The store this worker uses, started as the configuration asks."""
+    Every rank takes the same branch (same configuration and environment), so with the
+    embedded master all of them meet in `broadcast`: rank 0 sends the master's address,
+    or None when it could not start one, so that the others fail instead of waiting.
+    """
     if config.store == "memory":
         return Pool(process_memory_store())
     mooncake = mooncake_config_from_env()
     if mooncake is not None:
         return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
-    path = master_rendezvous(instance)
     if tp_rank != 0:
-        address = _wait_for_master(path)
+        address = broadcast(None)
+        if address is None:
+            raise RuntimeError(
+                "hybridkv: worker rank 0 could not start the embedded mooncake_master "
+                "(see its log); set MOONCAKE_CONFIG_PATH to use a shared master"
+            )
         return Pool(MooncakeStore.connect(MooncakeConfig(master_server_address=address)))
-    master = MasterProcess.start()
+    try:
+        master = MasterProcess.start()
+    except BaseException:
+        broadcast(None)
+        raise
     logger.warning(
         "hybridkv: MOONCAKE_CONFIG_PATH is unset; started an embedded mooncake_master at %s. "
         "Its KV dies with this instance: share a master and a segment holder for reuse "
@@ -89,8 +86,9 @@ def open_pool(config: ConnectorConfig, instance: str, tp_rank: int) -> Pool:
     )
     try:
         store = MooncakeStore.connect(MooncakeConfig(master_server_address=master.address))
-    except Exception:
+    except BaseException:
         master.stop()
+        broadcast(None)
         raise
-    publish_port(path, master.rpc_port)
-    return Pool(store, master, [path])
+    broadcast(master.address)
+    return Pool(store, master)

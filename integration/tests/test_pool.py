@@ -1,0 +1,94 @@
+"""Opening the pool: the embedded master's address reaches every tensor-parallel rank
+through the group's broadcast (no file), and a rank 0 that cannot start one makes the
+other ranks fail at once instead of waiting for it."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import _require
+
+from hybridkv.integration import pool as pool_module
+from hybridkv.integration.config import ConnectorConfig
+from hybridkv.integration.pool import Broadcast, Pool, open_pool
+from hybridkv.transport import MooncakeStore, Status
+
+RANKS = 2
+
+
+class ThreadGroup:
+    """The broadcast of a tensor-parallel group whose ranks are this process's threads."""
+
+    def __init__(self, ranks: int) -> None:
+        self._barrier = threading.Barrier(ranks)
+        self._value: str | None = None
+        self.sent: list[str | None] = []
+
+    def broadcast(self, rank: int) -> Broadcast:
+        def broadcast(value: str | None) -> str | None:
+            if rank == 0:
+                self._value = value
+                self.sent.append(value)
+            self._barrier.wait(timeout=60)
+            return self._value
+
+        return broadcast
+
+
+def _open_all(group: ThreadGroup) -> list[Pool | BaseException]:
+    def open_rank(rank: int) -> Pool | BaseException:
+        try:
+            return open_pool(ConnectorConfig(), rank, group.broadcast(rank))
+        except Exception as exc:
+            return exc
+
+    with ThreadPoolExecutor(RANKS) as ranks:
+        return list(ranks.map(open_rank, range(RANKS)))
+
+
+@pytest.fixture(autouse=True)
+def _embedded(monkeypatch: pytest.MonkeyPatch) -> None:
+    _require("mooncake.store")
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+
+
+def test_every_rank_joins_the_master_rank_zero_started() -> None:
+    group = ThreadGroup(RANKS)
+    pools = _open_all(group)
+    try:
+        assert all(isinstance(pool, Pool) for pool in pools)
+        first, second = pools
+        assert isinstance(first, Pool) and isinstance(second, Pool)
+        assert first.master is not None and second.master is None
+        assert group.sent == [first.master.address]
+        # one pool: what rank 0 stores, rank 1 reads
+        assert isinstance(first.store, MooncakeStore)
+        data = np.arange(4096, dtype=np.uint8)
+        first.store.register_buffer(data.ctypes.data, data.nbytes)
+        [status] = first.store.batch_put_whole(["shared"], [[data.ctypes.data]], [[data.nbytes]])
+        assert status is Status.OK
+        assert second.store.batch_is_readable(["shared"]) == [True]
+        first.store.unregister_buffer(data.ctypes.data)
+    finally:
+        for pool in reversed(pools):
+            if isinstance(pool, Pool):
+                pool.close()
+    assert not first.master.running()  # closing rank 0 stopped it
+
+
+def test_other_ranks_fail_at_once_when_rank_zero_cannot_start_a_master(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no mooncake_master binary")
+
+    monkeypatch.setattr(pool_module.MasterProcess, "start", refuse)
+    group = ThreadGroup(RANKS)
+    first, second = _open_all(group)
+    assert isinstance(first, OSError)
+    assert isinstance(second, RuntimeError)
+    assert "rank 0 could not start the embedded mooncake_master" in str(second)
+    assert group.sent == [None]
