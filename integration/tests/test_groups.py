@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -88,3 +89,21 @@ def test_storing_heads_under_tp(
 def test_mamba_state_is_sharded_unless_replicated(vllm_specs: Any) -> None:
     config = groups(vllm_specs, (["m"], mamba(vllm_specs)))
     assert plan_groups(config, [0], ModelShape(4, 2)).groups[0].heads == HeadPlan(4, 4)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"],
+)
+def test_parallelism_that_splits_a_block_across_ranks_is_refused(setting: str) -> None:
+    """Context-parallel ranks hold the same heads but different tokens of each block, and
+    pipeline stages different layers: keyed by head alone they would load each other's."""
+    from vllm.config import ParallelConfig
+
+    from hybridkv.integration.connector import plan_from_vllm
+
+    vllm_config: Any = SimpleNamespace(
+        parallel_config=ParallelConfig(tensor_parallel_size=2, **{setting: 2})
+    )
+    with pytest.raises(ValueError, match=f"does not support .* yet \\({setting}=2\\)"):
+        plan_from_vllm(vllm_config, SimpleNamespace(), "ns")

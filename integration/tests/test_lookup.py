@@ -1,13 +1,20 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import zmq
 
-from hybridkv.integration.lookup import LookupClient, LookupServer
+from hybridkv.integration.lookup import (
+    LookupClient,
+    LookupServer,
+    publish_port,
+    take_published_address,
+)
 
 
 def _readable(keys: Sequence[str]) -> list[bool]:
@@ -103,3 +110,36 @@ def test_removal_round_trip_and_its_failures(
     assert "does not remove" in caplog.text
     client.close()
     lookups_only.close()
+
+
+def test_the_published_port_is_read_once_and_the_file_removed(tmp_path: Path) -> None:
+    path = tmp_path / "hybridkv-lookup-engine-dp0.port"
+    assert take_published_address(path) is None  # not published yet
+    publish_port(path, 43210)
+    assert take_published_address(path) == "tcp://127.0.0.1:43210"
+    assert list(tmp_path.iterdir()) == []  # no staging file either
+    assert take_published_address(path) is None
+
+
+def test_client_keeps_the_address_it_took_across_a_timeout(tmp_path: Path) -> None:
+    """The rendezvous file is gone once read: a fresh socket after a timed-out lookup
+    must reconnect to the address read then, and a client asks for it until it appears."""
+    released = threading.Event()
+
+    def slow_then_fast(keys: Sequence[str]) -> list[bool]:
+        if "slow" in keys:
+            released.wait(5.0)
+        return _readable(keys)
+
+    server = LookupServer(slow_then_fast)
+    path = tmp_path / "hybridkv-lookup-engine-dp0.port"
+    client = LookupClient(lambda: take_published_address(path), timeout_ms=200)
+    assert client.query(["yes"]) is None  # not published yet
+    publish_port(path, server.port)
+    assert client.query(["slow"]) is None  # timed out: the socket is reset
+    assert not path.exists()
+    released.set()
+    time.sleep(0.3)  # the server answers the abandoned request first
+    assert client.query(["yes-again", "no"]) == [True, False]
+    client.close()
+    server.close()

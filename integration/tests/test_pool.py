@@ -59,10 +59,11 @@ def test_every_rank_joins_the_master_rank_zero_started() -> None:
     group = ThreadGroup(RANKS)
     pools = _open_all(group)
     try:
-        assert all(isinstance(pool, Pool) for pool in pools)
         first, second = pools
-        assert isinstance(first, Pool) and isinstance(second, Pool)
-        assert first.master is not None and second.master is None
+        assert isinstance(first, Pool)
+        assert isinstance(second, Pool)
+        assert first.master is not None
+        assert second.master is None
         assert group.sent == [first.master.address]
         # one pool: what rank 0 stores, rank 1 reads
         assert isinstance(first.store, MooncakeStore)

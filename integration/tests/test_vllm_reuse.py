@@ -83,16 +83,18 @@ def _run(
         **connector.transfer_totals(),
         "granularity": connector.worker_side.engine.options.granularity,
     }
+    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    _assert_shut_down()
+    _assert_shut_down(instance)
     return tokens, logprobs, hit, totals
 
 
-def _assert_shut_down() -> None:
+def _assert_shut_down(instance: str) -> None:
     """After vLLM's shutdown nothing of the connector is left: no transfer or lookup
-    thread, no put or get session open in the pool."""
+    thread, no put or get session open in the pool, no published lookup port."""
+    from hybridkv.integration.lookup import rendezvous_path
     from hybridkv.integration.pool import process_memory_store
 
     alive = [t.name for t in threading.enumerate() if t.name.startswith("hybridkv")]
@@ -100,6 +102,7 @@ def _assert_shut_down() -> None:
     store = process_memory_store()
     assert store.open_put_sessions() == set()
     assert store.open_get_sessions() == set()
+    assert not rendezvous_path(instance).exists()
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "lfm2"])
@@ -186,6 +189,7 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
 
     other_tests = stored()
     llm = new_llm(model, extra)
+    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
     try:
         cold = complete(llm)
         mine = stored() - other_tests
@@ -207,7 +211,7 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    _assert_shut_down()
+    _assert_shut_down(instance)
     fresh = _run(model, extra)  # a new engine: generation 0, whose objects were removed
     assert fresh[2] == 0
     assert fresh[:2] == cold[:2]

@@ -7,15 +7,15 @@ digest) from `kv_cache_config`, so they agree on every key without talking about
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
@@ -30,6 +30,9 @@ from hybridkv.integration.lookup import (
     LOOPBACK,
     LookupClient,
     LookupServer,
+    publish_port,
+    rendezvous_path,
+    take_published_address,
 )
 from hybridkv.integration.metadata import HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
@@ -59,8 +62,23 @@ def plan_from_vllm(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str
 ) -> KVPlan:
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise ValueError("HybridKVConnector does not support pipeline parallelism yet")
+    for what, setting, size in (
+        ("pipeline parallelism", "pipeline_parallel_size", parallel.pipeline_parallel_size),
+        # Context-parallel ranks hold the same heads but different tokens of each block:
+        # keyed by head alone, one rank's share would be loaded by all of them.
+        (
+            "decode context parallelism",
+            "decode_context_parallel_size",
+            parallel.decode_context_parallel_size,
+        ),
+        (
+            "prefill context parallelism",
+            "prefill_context_parallel_size",
+            parallel.prefill_context_parallel_size,
+        ),
+    ):
+        if size > 1:
+            raise ValueError(f"HybridKVConnector does not support {what} yet ({setting}={size})")
     shape = ModelShape(
         tp_size=parallel.tensor_parallel_size,
         total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
@@ -102,11 +120,10 @@ def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     return unit if partial_hash_hits_enabled(groups, unit, dcp, managers) else 0
 
 
-@dataclass(frozen=True)
-class LookupEndpoint(KVConnectorHandshakeMetadata):
-    """Worker rank 0's lookup port, handed to the scheduler by vLLM's engine core."""
-
-    port: int
+def _instance_id(vllm_config: VllmConfig) -> str:
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None
+    return f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_rank}"
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -127,7 +144,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
         self.keys = KeySpace(self.plan, model_name(vllm_config.model_config.model))
-        self._lookup_port = self.config.lookup_port  # 0 until the handshake says
+        self._instance = _instance_id(vllm_config)
+        self._published: Path | None = None  # worker rank 0's rendezvous file, until taken
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
         self._worker: WorkerSide | None = None
@@ -167,16 +185,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return EventBuilder(hash_block_size, specs)
 
     def _lookup_address(self) -> str | None:
-        return f"tcp://{LOOPBACK}:{self._lookup_port}" if self._lookup_port else None
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        """Where worker rank 0 listens: vLLM collects every rank's `get_handshake_metadata`
-        after the KV caches are registered and hands it here, before the first request."""
-        endpoint = metadata.get(0)
-        if isinstance(endpoint, LookupEndpoint):
-            self._lookup_port = endpoint.port
+        # Not vLLM's connector handshake: under a MultiConnector only the first child's
+        # handshake metadata reaches the scheduler, so ours could shadow (or be shadowed
+        # by) NIXL's. The scheduler is the file's only reader and removes it on reading.
+        if self.config.lookup_port:
+            return f"tcp://{LOOPBACK}:{self.config.lookup_port}"
+        return take_published_address(rendezvous_path(self._instance))
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -298,9 +312,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._server = LookupServer(
                 engine.batch_is_readable, self.config.lookup_port, self._remove_from_pool
             )
-
-    def get_handshake_metadata(self) -> LookupEndpoint | None:
-        return None if self._server is None else LookupEndpoint(self._server.port)
+            if not self.config.lookup_port:
+                self._published = rendezvous_path(self._instance)
+                publish_port(self._published, self._server.port)
+                atexit.register(self._published.unlink, missing_ok=True)  # if never shut down
 
     def _remove_from_pool(self, prefixes: Sequence[str]) -> int:
         # Not forced: an object read in the last lease period may still be in flight to
@@ -396,6 +411,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._published is not None:  # the scheduler never took it
+            self._published.unlink(missing_ok=True)
+            self._published = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

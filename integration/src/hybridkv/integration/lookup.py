@@ -5,15 +5,21 @@ per lookup carries every key of that lookup (msgspec-encoded); a cache reset ask
 model's objects to be removed the same way. The server answers every request, a malformed
 one with an error, and survives anything a request does; the client gives up after a
 timeout and reports "unknown", which the scheduler treats as a miss (recompute), never as
-a hang. The scheduler learns the server's port through vLLM's connector handshake (worker
-handshake metadata, collected by the engine core once the KV caches are registered).
+a hang.
+
+Worker rank 0 publishes its port in a file named by the engine; the scheduler, its only
+reader, removes the file once it has read it, so a killed instance leaves one behind only
+if it dies before the scheduler starts.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -46,6 +52,29 @@ _decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
 
 Readability = Callable[[Sequence[str]], list[bool]]
 Removal = Callable[[Sequence[str]], int]
+
+
+def rendezvous_path(instance: str) -> Path:
+    """Where worker rank 0 publishes its lookup port for the scheduler of `instance`."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance)
+    return Path(tempfile.gettempdir()) / f"hybridkv-lookup-{safe}.port"
+
+
+def publish_port(path: Path, port: int) -> None:
+    """Write atomically so a reader never sees half a port number."""
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(str(port))
+    staging.replace(path)
+
+
+def take_published_address(path: Path) -> str | None:
+    """The address published in `path`, removing the file (None while there is none)."""
+    try:
+        port = int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    path.unlink(missing_ok=True)
+    return f"tcp://{LOOPBACK}:{port}"
 
 
 class LookupServer:
@@ -118,10 +147,15 @@ class LookupServer:
 
 
 class LookupClient:
-    """REQ side; `query` returns None (and warns) instead of waiting past the timeout."""
+    """REQ side; `query` returns None (and warns) instead of waiting past the timeout.
+
+    `address` may be a function answering None until the server is known; it is asked
+    from construction on until it answers, and never again (it may consume what it read).
+    """
 
     def __init__(self, address: str | Callable[[], str | None], timeout_ms: int) -> None:
-        self._address = address
+        self._find = address if callable(address) else lambda: address
+        self._address = self._find()
         self._timeout_ms = timeout_ms
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
@@ -129,7 +163,9 @@ class LookupClient:
     def _connect(self) -> zmq.Socket[bytes] | None:
         if self._socket is not None:
             return self._socket
-        address = self._address() if callable(self._address) else self._address
+        if self._address is None:
+            self._address = self._find()
+        address = self._address
         if address is None:
             return None
         socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
