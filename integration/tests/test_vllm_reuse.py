@@ -265,3 +265,51 @@ def test_steps_larger_than_the_staging_buffer_move_in_waves_and_stay_exact(
         assert warm[:2] == cold[:2]  # identical tokens and logprobs
         assert warm[3]["loaded_blocks"] > 0
         assert not warm[3].get("failed_load_blocks")
+
+
+def test_reuse_as_the_first_child_of_a_multiconnector(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's MultiConnector, as P/D deployments pair a transfer connector with an offload
+    one: hybridkv first, vLLM's ExampleConnector (its own disk store) second. The second
+    engine's hit comes from the pool (MultiConnector asks its children in order) and its
+    output is the cold run's."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    example_store = tmp_path_factory.mktemp("example-store")
+    children = [
+        {
+            "kv_connector": "HybridKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"store": "memory", "namespace": "multi"},
+        },
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(example_store)},
+        },
+    ]
+    multi = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": children},
+    )
+    runs = []
+    for _ in ("cold", "warm"):
+        llm = new_llm(model, {}, kv_transfer_config=multi)
+        tokens, logprobs, hit = complete(llm)
+        ours = get_kv_transfer_group()._connectors[0]
+        runs.append((tokens, logprobs, hit, ours.transfer_totals()))
+        instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
+        llm.llm_engine.engine_core.shutdown()
+        del llm, ours
+        gc.collect()
+        _assert_shut_down(instance)
+    (cold_tokens, cold_logprobs, cold_hit, cold_totals), warm = runs
+    assert cold_hit == 0
+    assert cold_totals["saved_blocks"] == HIT // 32
+    assert warm[2] == HIT
+    assert warm[3]["loaded_blocks"] == HIT // 32
+    assert warm[:2] == (cold_tokens, cold_logprobs)
