@@ -267,44 +267,47 @@ def test_steps_larger_than_the_staging_buffer_move_in_waves_and_stay_exact(
         assert not warm[3].get("failed_load_blocks")
 
 
-def test_reuse_as_the_first_child_of_a_multiconnector(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("position", [0, 1])
+def test_reuse_as_a_child_of_a_multiconnector(
+    position: int, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's MultiConnector, as P/D deployments pair a transfer connector with an offload
-    one: hybridkv first, vLLM's ExampleConnector (its own disk store) second. The second
-    engine's hit comes from the pool (MultiConnector asks its children in order) and its
-    output is the cold run's."""
+    one: hybridkv beside vLLM's ExampleConnector (a disk store of its own, empty for each
+    engine), first or second. The second engine's hit comes from the pool (MultiConnector
+    asks its children in order and the other finds nothing) and its output is the cold
+    run's."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     model = _in_process_model("llama", tmp_path_factory, monkeypatch)
-    example_store = tmp_path_factory.mktemp("example-store")
-    children = [
-        {
-            "kv_connector": "HybridKVConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"store": "memory", "namespace": "multi"},
-        },
-        {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(example_store)},
-        },
-    ]
-    multi = KVTransferConfig(
-        kv_connector="MultiConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"connectors": children},
-    )
+    ours = {
+        "kv_connector": "HybridKVConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": "memory", "namespace": f"multi-{position}"},
+    }
     runs = []
     for _ in ("cold", "warm"):
+        other = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "shared_storage_path": str(tmp_path_factory.mktemp("example-store"))
+            },
+        }
+        children = [other]
+        children.insert(position, ours)
+        multi = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": children},
+        )
         llm = new_llm(model, {}, kv_transfer_config=multi)
         tokens, logprobs, hit = complete(llm)
-        ours = get_kv_transfer_group()._connectors[0]
-        runs.append((tokens, logprobs, hit, ours.transfer_totals()))
+        connector = get_kv_transfer_group()._connectors[position]
+        runs.append((tokens, logprobs, hit, connector.transfer_totals()))
         instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
         llm.llm_engine.engine_core.shutdown()
-        del llm, ours
+        del llm, connector
         gc.collect()
         _assert_shut_down(instance)
     (cold_tokens, cold_logprobs, cold_hit, cold_totals), warm = runs
