@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,12 @@ from hybridkv.transport.errors import Status, StoreUnavailable
 from hybridkv.transport.master import MasterProcess, free_port, is_listening
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.segment_holder import SegmentHolder
-from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
+from hybridkv.transport.testing import (
+    StartHolder,
+    StartMaster,
+    mooncake_config,
+    require_mooncake,
+)
 
 # A writer process: stores one object whole and one through a ranged session, then exits.
 WRITER = textwrap.dedent(
@@ -179,3 +185,54 @@ def test_without_a_holder_objects_die_with_their_writer(
         assert not np.array_equal(out, EXPECTED)
     finally:
         reader.close()
+
+
+# A parent that starts a master and a holder from its main thread, then waits to be killed.
+PARENT = textwrap.dedent(
+    """
+    import time
+    from hybridkv.transport.master import MasterProcess
+    from hybridkv.transport.segment_holder import SegmentHolder
+
+    master = MasterProcess.start()
+    holder = SegmentHolder.start(master.address, "16MB")
+    print(master.pid, holder.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (it runs no more either way)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_children_die_with_a_parent_killed_outright() -> None:
+    """SIGKILL (or the OOM killer) runs no exit handler: the kernel stops the children."""
+    require_mooncake()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    children = [int(pid) for pid in parent.stdout.readline().split()]
+    try:
+        assert len(children) == 2
+        assert not any(_exited(pid) for pid in children)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while not all(_exited(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_exited(pid) for pid in children)
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in children:
+            if not _exited(pid):
+                os.kill(pid, 9)

@@ -3,18 +3,23 @@
 Used by tests, the demo and the vLLM connector's embedded default. The child's output goes
 to a log file (a pipe nobody drains would fill and freeze it); it is stopped by PID, and
 any child still running when the interpreter exits is stopped then, so none is orphaned.
+A parent killed outright (SIGKILL, the OOM killer) runs no exit handler: children started
+from the main thread are asked by the kernel to receive SIGTERM when it dies (Linux's
+parent-death signal, which follows the thread that started them, hence the main thread).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -68,6 +73,25 @@ def find_master_binary() -> Path:
     )
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """What the child runs before exec so that it gets SIGTERM when this process dies;
+    None off Linux or off the main thread (the signal would follow a thread that exits)."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork, not in the child
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before the signal was armed
+            os._exit(1)
+
+    return die_with_parent
+
+
 _live: set[ChildProcess] = set()
 _live_lock = threading.Lock()
 
@@ -96,7 +120,7 @@ class ChildProcess:
         with open(log_path, "ab") as log:
             self._popen = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env,
+                env=env, preexec_fn=_parent_death_signal(),
             )  # fmt: skip
         with _live_lock:
             _live.add(self)
