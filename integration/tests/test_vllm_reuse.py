@@ -316,3 +316,31 @@ def test_reuse_as_a_child_of_a_multiconnector(
     assert warm[2] == HIT
     assert warm[3]["loaded_blocks"] == HIT // 32
     assert warm[:2] == (cold_tokens, cold_logprobs)
+
+
+def test_a_cache_salt_keeps_tenants_apart_in_the_pool(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's `cache_salt` (per-tenant cache isolation) holds across instances: another
+    engine finds a salted prefix in the pool only under the same salt."""
+    model = _in_process_model("lfm2", tmp_path_factory, monkeypatch)
+    extra = {"store": "memory", "namespace": "salted"}
+    writer = new_llm(model, extra)
+    cold = complete(writer, cache_salt="tenant-a")
+    writer.llm_engine.engine_core.shutdown()
+    del writer
+    gc.collect()
+    reader = new_llm(model, extra)
+    try:
+        other_tenant = complete(reader, cache_salt="tenant-b")
+        unsalted = complete(reader)
+        same_tenant = complete(reader, cache_salt="tenant-a")
+    finally:
+        reader.llm_engine.engine_core.shutdown()
+        del reader
+        gc.collect()
+    assert cold[2] == 0
+    assert other_tenant[2] == 0
+    assert unsalted[2] == 0
+    assert same_tenant[2] == HIT
+    assert same_tenant[:2] == cold[:2]

@@ -100,12 +100,13 @@ def new_llm(model: Path, extra: dict[str, Any], failure_policy: str = "fail", **
     return LLM(**{**arguments, **engine})
 
 
-def complete(llm: Any) -> tuple[list[int], list[float], int]:
-    """Greedy tokens of PROMPT, their logprobs, and the prompt tokens vLLM did not compute."""
+def complete(llm: Any, **prompt: Any) -> tuple[list[int], list[float], int]:
+    """Greedy tokens of PROMPT, their logprobs, and the prompt tokens vLLM did not compute;
+    `prompt` adds fields to the prompt (e.g. `cache_salt`)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, detokenize=False)
-    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT, **prompt}], params)
     completion = out.outputs[0]
     assert completion.logprobs is not None
     logprobs = [
