@@ -208,10 +208,16 @@ def test_consumer_role_neither_loads_nor_saves_unless_told(vllm_specs: Any) -> N
         assert bool(meta.requests) == expect_save
 
 
-def _tail_side(vllm_specs: Any, tail_unit: int = 8, **config: Any) -> tuple[SchedulerSide, Pool]:
+ONE_RANK = ModelShape(tp_size=1, total_kv_heads=2)
+
+
+def _tail_side(
+    vllm_specs: Any, tail_unit: int = 8, shape: ModelShape = ONE_RANK, **config: Any
+) -> tuple[SchedulerSide, Pool]:
     """Full attention beside a Mamba state, 32-token blocks, vLLM hitting every 8 tokens."""
-    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
-    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ModelShape(1, 2))
+    heads = shape.total_kv_heads // shape.tp_size or 1
+    kinds = [(["a"], attention(vllm_specs, heads=heads)), (["m"], mamba(vllm_specs))]
+    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], shape)
     pool = Pool()
     side = SchedulerSide(
         KeySpace(plan, "tiny"), ConnectorConfig(**config), pool.query, tail_unit=tail_unit
@@ -234,8 +240,9 @@ def _write_prompt(side: SchedulerSide, pool: Pool, tokens: list[int], chunks: li
         for transfers in side.build_meta(output).requests:
             saves.extend(transfers.saves)
         done = end
-    for ref in saves:
-        pool.keys.update(side.keys.keys(ref.group, [ref.block_hash], [0]))
+    for ref in saves:  # every storing head's object, as each TP rank saves its own
+        storing = range(side.plan.groups[ref.group].heads.storing)
+        pool.keys.update(side.keys.keys(ref.group, [ref.block_hash], storing))
     return saves
 
 
@@ -290,6 +297,21 @@ def test_a_tail_needs_every_group_s_partial_object(vllm_specs: Any) -> None:
     (state_tail,) = [ref for ref in saves if ref.tail and ref.group == 1]
     pool.keys -= set(side.keys.keys(1, [state_tail.block_hash], [0]))
     assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
+
+
+def test_at_tp2_a_tail_needs_every_storing_head_s_partial_object(vllm_specs: Any) -> None:
+    """Two ranks with a KV head each and the state sharded: four objects per tail."""
+    side, pool = _tail_side(vllm_specs, shape=ModelShape(tp_size=2, total_kv_heads=2))
+    assert [g.heads.storing for g in side.plan.groups] == [2, 2]
+    prompt = TOKENS[:180]
+    saves = _write_prompt(side, pool, prompt, [160, 176, 180])
+    assert side.num_new_matched_tokens(request("r", prompt), 0) == (176, False)
+    for group in (0, 1):
+        (tail,) = [ref for ref in saves if ref.tail and ref.group == group]
+        second_rank = set(side.keys.keys(group, [tail.block_hash], [1]))
+        pool.keys -= second_rank
+        assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
+        pool.keys |= second_rank
 
 
 def test_no_tails_where_vllm_makes_none_or_when_turned_off(vllm_specs: Any) -> None:
