@@ -212,12 +212,13 @@ def _exited(pid: int) -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
-def test_children_die_with_a_parent_killed_outright() -> None:
-    """SIGKILL (or the OOM killer) runs no exit handler: the kernel stops the children."""
+def test_children_die_with_a_parent_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL (or the OOM killer) runs no exit handler: the kernel stops the children.
+    (Their logs stay, as after any crash: in this test's folder.)"""
     require_mooncake()
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True,
+        text=True, env={**os.environ, "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert parent.stdout is not None
     children = [int(pid) for pid in parent.stdout.readline().split()]
