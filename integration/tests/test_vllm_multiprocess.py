@@ -11,7 +11,6 @@ Reuse across vLLM instances lives in tests-e2e.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -107,4 +106,3 @@ def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
     assert warm[:2] == cold[:2]
     assert not started & _masters_running()
     assert [p.name for p in temp.rglob("hybridkv*")] == []
-    assert os.environ["TMPDIR"] == str(temp)

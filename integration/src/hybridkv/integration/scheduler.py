@@ -168,11 +168,10 @@ class SchedulerSide:
         token_ids = tracked.request.all_token_ids
         # Per tail, the groups keeping a partial block there (the last one they need).
         keeping = [[g for g, mask in enumerate(tail.load_masks) if mask[-1]] for tail in tails]
-        batches = [
-            (group, [tracked.hashes.prefix(token_ids, tail.tokens)])
-            for tail, groups in zip(tails, keeping, strict=True)
-            for group in groups
-        ]
+        batches: list[tuple[int, Sequence[bytes]]] = []
+        for tail, groups in zip(tails, keeping, strict=True):
+            block_hash = tracked.hashes.prefix(token_ids, tail.tokens)  # once per tail
+            batches.extend((group, [block_hash]) for group in groups)
         answers = self._every_head_readable(batches)
         if answers is None:
             return hit
