@@ -4,6 +4,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from conftest import attention, groups, mamba
 
 from hybridkv.coordinator import FullAttention, RecurrentState, SlidingWindow
@@ -69,21 +71,49 @@ def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
 
 @pytest.mark.parametrize(
     ("tp", "heads", "storing", "head_of", "writers"),
-    [
-        (4, 2, 2, [0, 0, 1, 1], [0, 2]),
-        (4, 8, 4, [0, 1, 2, 3], [0, 1, 2, 3]),
-        (2, 1, 1, [0, 0], [0]),
-        (1, 4, 1, [0], [0]),
+    [  # writers: the ranks putting blocks 0, 1, 2 and 3
+        (4, 2, 2, [0, 0, 1, 1], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+        (4, 8, 4, [0, 1, 2, 3], [[0, 1, 2, 3]] * 4),
+        (2, 1, 1, [0, 0], [[0], [1], [0], [1]]),
+        (4, 1, 1, [0, 0, 0, 0], [[0], [1], [2], [3]]),
+        (1, 4, 1, [0], [[0]] * 4),
     ],
 )
 def test_storing_heads_under_tp(
-    vllm_specs: Any, tp: int, heads: int, storing: int, head_of: list[int], writers: list[int]
+    vllm_specs: Any,
+    tp: int,
+    heads: int,
+    storing: int,
+    head_of: list[int],
+    writers: list[list[int]],
 ) -> None:
     config = groups(vllm_specs, (["a"], attention(vllm_specs, heads=max(1, heads // tp))))
     plan = plan_groups(config, [0], ModelShape(tp, heads)).groups[0].heads
     assert plan.storing == storing
     assert [plan.head_of(rank) for rank in range(tp)] == head_of
-    assert [rank for rank in range(tp) if plan.writes(rank)] == writers
+    assert [[r for r in range(tp) if plan.writes(r, block)] for block in range(4)] == writers
+
+
+@given(
+    st.sampled_from([(tp, storing) for tp in (1, 2, 4, 8, 16) for storing in (1, 2, 4, 8, 16)
+                     if storing <= tp]),
+    st.integers(0, 10_000),
+)  # fmt: skip
+def test_each_block_of_each_head_has_one_writer_holding_that_head(
+    sizes: tuple[int, int], block: int
+) -> None:
+    tp, storing = sizes
+    plan = HeadPlan(storing, tp)
+    for head in plan.heads:
+        writers = [r for r in range(tp) if plan.writes(r, block) and plan.head_of(r) == head]
+        assert len(writers) == 1
+    assert sum(plan.writes(r, block) for r in range(tp)) == storing
+
+
+def test_replicas_share_the_puts_of_a_head_evenly() -> None:
+    plan = HeadPlan(2, 8)  # four ranks hold each head
+    puts = [sum(plan.writes(rank, block) for block in range(64)) for rank in range(8)]
+    assert puts == [16] * 8
 
 
 def test_mamba_state_is_sharded_unless_replicated(vllm_specs: Any) -> None:

@@ -200,6 +200,38 @@ def test_save_then_load_round_trips_bytes(rig: Any) -> None:
     assert stats.data["saved_blocks"] == 3
 
 
+def test_ranks_holding_one_head_take_turns_putting_its_blocks(vllm_specs: Any) -> None:
+    """TP=2 with one KV head: both ranks hold it and split its puts block by block (here
+    their copies differ, to see whose bytes each object holds); the state vLLM shards over
+    the ranks is one object per rank, each put by its own rank."""
+    config = groups(
+        vllm_specs,
+        (["model.layers.0.attn"], attention(vllm_specs, heads=1)),
+        (["model.layers.1.conv"], mamba(vllm_specs)),
+    )
+    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(2, 1)), "tiny")
+    store = MemoryStore()
+    saves = _refs([(group, index, index + 1) for group in (0, 1) for index in range(4)])
+    caches = [_caches() for _ in range(2)]
+    for rank, rank_caches in enumerate(caches):
+        layouts = build_layouts(
+            keys, rank_caches, {"model.layers.0.attn": 0, "model.layers.1.conv": 1}, NUM_BLOCKS
+        )
+        with TransferEngine(store, layouts) as engine:
+            worker = WorkerSide(keys, engine, WholeBlocks(engine, CpuEvent), rank, CpuEvent)
+            _step(worker, [RequestTransfers(request_id="a", saves=saves)])
+            stats = worker.counters.take()
+            assert stats is not None
+            assert stats.data["saved_blocks"] == 2 + 4  # half the attention blocks, all states
+    attention_keys = keys.keys(0, [ref.block_hash for ref in saves[:4]], [0])
+    size = caches[0]["model.layers.0.attn"][0].numel() * 4
+    for index, key in enumerate(attention_keys):
+        writer = caches[index % 2]["model.layers.0.attn"]
+        assert _stored(store, key, size) == writer[index + 1].numpy().tobytes()
+    state_keys = keys.keys(1, [ref.block_hash for ref in saves[4:]], [0, 1])
+    assert store.batch_is_readable(state_keys) == [True] * 8
+
+
 def test_after_a_reset_a_running_request_saves_its_blocks_under_new_keys(rig: Any) -> None:
     """A request that owned block 0 under one hash saves it under another once the
     scheduler's generation moved on (an unchanged generation refuses the new key)."""

@@ -28,7 +28,9 @@ class HeadPlan:
     """Which TP ranks write a group's objects and which object each rank reads.
 
     `storing` distinct objects exist per block. When fewer KV heads than TP ranks exist,
-    consecutive ranks hold the same heads: only the first of each run writes, all read.
+    consecutive ranks hold the same heads: all of a run read each object, and they take
+    turns writing them, block by block, so no rank carries every put of a replicated head
+    (MLA's latent at TP=8: each rank puts an eighth of the blocks).
     """
 
     storing: int
@@ -47,8 +49,9 @@ class HeadPlan:
     def head_of(self, tp_rank: int) -> int:
         return tp_rank // self.replicas
 
-    def writes(self, tp_rank: int) -> bool:
-        return tp_rank % self.replicas == 0
+    def writes(self, tp_rank: int, block_index: int) -> bool:
+        """Whether `tp_rank` puts its head's object of logical block `block_index`."""
+        return tp_rank % self.replicas == block_index % self.replicas
 
     @property
     def heads(self) -> range:

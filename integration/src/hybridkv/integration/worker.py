@@ -137,7 +137,7 @@ class WorkerSide:
         transfers = []
         for ref in refs:
             heads = self.keys.plan.groups[ref.group].heads
-            if writing and not heads.writes(self.tp_rank):
+            if writing and not heads.writes(self.tp_rank, ref.index):
                 continue
             head = heads.head_of(self.tp_rank)
             key = self.keys.keys(ref.group, [ref.block_hash], [head])[0]
