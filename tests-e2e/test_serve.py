@@ -8,6 +8,11 @@ down; the second, started afterwards, must load it (vLLM's own external-hit coun
 `/metrics` says how much, and so do hybridkv's own counters there) and answer exactly as
 the first did: same tokens, same top-5 logprobs. Stopping a server leaves no file of
 ours in its temp directory.
+
+A third server runs two data-parallel engines (`--data-parallel-size 2`; for a dense
+model vLLM runs them as independent engines, each with its own scheduler, worker and
+hybridkv lookup): a prompt sent to engine 0 (vLLM's `X-data-parallel-rank` header) is
+stored, and engine 1, which never saw it, loads it from the pool and answers the same.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
+from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS, thread_binding
 from vllm_instance import settled, start_group, stop_group
 
 from hybridkv.transport.master import LOOPBACK, free_port
@@ -62,7 +67,8 @@ class Server:
             text: str = reply.read().decode()
         return text
 
-    def complete(self, prompt: list[int]) -> dict[str, Any]:
+    def complete(self, prompt: list[int], engine: int | None = None) -> dict[str, Any]:
+        """Greedy completion of `prompt` (by data-parallel `engine` if given)."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -71,10 +77,11 @@ class Server:
             "logprobs": 5,
             "return_tokens_as_token_ids": True,
         }
+        headers = {"Content-Type": "application/json"}
+        if engine is not None:
+            headers["X-data-parallel-rank"] = str(engine)
         request = urllib.request.Request(
-            f"{self.base}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            f"{self.base}/v1/completions", data=json.dumps(body).encode(), headers=headers
         )
         with urllib.request.urlopen(request, timeout=120) as reply:
             choice: dict[str, Any] = json.loads(reply.read())["choices"][0]
@@ -94,7 +101,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def served(model: Path, env: dict[str, str], log: Path) -> Iterator[Server]:
+def served(model: Path, env: dict[str, str], log: Path, data_parallel: int = 1) -> Iterator[Server]:
     """vLLM's OpenAI API server with the README's connector settings; stopped (SIGINT, then
     its whole group killed) on exit."""
     port = free_port()
@@ -107,6 +114,7 @@ def served(model: Path, env: dict[str, str], log: Path) -> Iterator[Server]:
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     argv += ["--gpu-memory-utilization", "0.2"]
     argv += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+    argv += ["--data-parallel-size", str(data_parallel)]
     process = start_group(argv, log, env)
     server = Server(process, port, str(model))
     try:
@@ -190,3 +198,42 @@ def test_stopped_servers_leave_no_files_of_ours(
     served_twice: tuple[Served, Served], serve_temp: Path
 ) -> None:
     assert [path.name for path in serve_temp.rglob("hybridkv*")] == []
+
+
+DP_PROMPT = tinymodels.prompt_ids(91, 2 * MAX_NUM_BATCHED_TOKENS + 1)
+DP_EXPECTED_HIT = (len(DP_PROMPT) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def data_parallel(
+    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+) -> tuple[Served, Served, list[str]]:
+    """What engine 0, then engine 1, of one two-engine server answered and counted, and
+    the files of ours its temp directory held once it stopped."""
+    model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
+    temp = runs_dir / "serve-dp-tmp"
+    temp.mkdir()
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(pool.config_path),
+        "TMPDIR": str(temp),
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2),
+    }
+    runs = []
+    with served(model, env, runs_dir / "serve-dp.log", data_parallel=2) as server:
+        before = dict.fromkeys(COUNTERS, 0.0)
+        for engine in (0, 1):
+            answer = server.complete(DP_PROMPT, engine)
+            counters = settled(server.counters, quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
+            runs.append((answer, {name: counters[name] - before[name] for name in COUNTERS}))
+            before = counters
+    return runs[0], runs[1], [path.name for path in temp.rglob("hybridkv*")]
+
+
+def test_a_data_parallel_engine_loads_what_the_other_stored(
+    data_parallel: tuple[Served, Served, list[str]],
+) -> None:
+    (first, stored), (second, loaded), left = data_parallel
+    assert stored[EXTERNAL_HITS] == 0
+    assert loaded[EXTERNAL_HITS] == loaded[HYBRIDKV_HITS] == DP_EXPECTED_HIT
+    assert second["logprobs"] == first["logprobs"]
+    assert left == []

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import attention, groups, mamba
 from hypothesis import given
 from hypothesis import strategies as st
-from conftest import attention, groups, mamba
 
 from hybridkv.coordinator import FullAttention, RecurrentState, SlidingWindow
 from hybridkv.integration.groups import HeadPlan, ModelShape, plan_groups

@@ -1,9 +1,11 @@
 """Opening the pool: the embedded master's address reaches every tensor-parallel rank
-through the group's broadcast (no file), and a rank 0 that cannot start one makes the
-other ranks fail at once instead of waiting for it."""
+through the group's broadcast (no file), a rank 0 that cannot start one makes the other
+ranks fail at once instead of waiting for it, and a rank on another host (which rank
+0's loopback does not reach) refuses to start."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +15,7 @@ from conftest import _require
 
 from hybridkv.integration import pool as pool_module
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.pool import Broadcast, Pool, open_pool
+from hybridkv.integration.pool import Broadcast, EmbeddedMaster, Pool, open_pool
 from hybridkv.transport import MooncakeStore, Status
 
 RANKS = 2
@@ -24,11 +26,11 @@ class ThreadGroup:
 
     def __init__(self, ranks: int) -> None:
         self._barrier = threading.Barrier(ranks)
-        self._value: str | None = None
-        self.sent: list[str | None] = []
+        self._value: EmbeddedMaster | None = None
+        self.sent: list[EmbeddedMaster | None] = []
 
     def broadcast(self, rank: int) -> Broadcast:
-        def broadcast(value: str | None) -> str | None:
+        def broadcast(value: EmbeddedMaster | None) -> EmbeddedMaster | None:
             if rank == 0:
                 self._value = value
                 self.sent.append(value)
@@ -64,7 +66,7 @@ def test_every_rank_joins_the_master_rank_zero_started() -> None:
         assert isinstance(second, Pool)
         assert first.master is not None
         assert second.master is None
-        assert group.sent == [first.master.address]
+        assert group.sent == [EmbeddedMaster(socket.gethostname(), first.master.address)]
         # one pool: what rank 0 stores, rank 1 reads
         assert isinstance(first.store, MooncakeStore)
         data = np.arange(4096, dtype=np.uint8)
@@ -93,3 +95,23 @@ def test_other_ranks_fail_at_once_when_rank_zero_cannot_start_a_master(
     assert isinstance(second, RuntimeError)
     assert "rank 0 could not start the embedded mooncake_master" in str(second)
     assert group.sent == [None]
+
+
+def test_a_rank_on_another_host_refuses_the_embedded_master(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each rank's thread is a host of its own.
+    monkeypatch.setattr(socket, "gethostname", lambda: threading.current_thread().name)
+    group = ThreadGroup(RANKS)
+    pools = _open_all(group)
+    first, second = pools
+    try:
+        assert isinstance(first, Pool)
+        assert isinstance(second, RuntimeError)
+        [sent] = group.sent
+        assert sent is not None
+        assert f"loopback of {sent.host}, which TP rank 1 on " in str(second)
+        assert "MOONCAKE_CONFIG_PATH" in str(second)
+    finally:
+        if isinstance(first, Pool):
+            first.close()

@@ -2,7 +2,8 @@
 
 With `MOONCAKE_CONFIG_PATH` unset, worker rank 0 starts its own `mooncake_master` on
 loopback and tells the other ranks its address over the tensor-parallel group (no file
-to leave behind if the instance is killed); every rank joins it. The embedded default
+to leave behind if the instance is killed); every rank on its host joins it, and a rank
+on another host (which loopback cannot reach) refuses to start, saying so. The embedded default
 needs no setup but its data dies with the instance. Cross-instance reuse needs a shared
 master and a segment holder that outlives the instances (see the README).
 """
@@ -10,9 +11,11 @@ master and a segment holder that outlives the instances (see the README).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hybridkv.integration.config import ConnectorConfig, mooncake_config_from_env
 from hybridkv.transport import MasterProcess, MemoryStore, MooncakeConfig, MooncakeStore, Store
@@ -32,9 +35,16 @@ def process_memory_store() -> MemoryStore:
         return _memory_store
 
 
+class EmbeddedMaster(NamedTuple):
+    """Where rank 0's embedded master listens: loopback of `host`."""
+
+    host: str
+    address: str
+
+
 # Rank 0 sends what it has to every rank and returns it; the others return what it sent.
 # All ranks call it once, together (vLLM's tensor-parallel group broadcast).
-Broadcast = Callable[[str | None], str | None]
+Broadcast = Callable[[EmbeddedMaster | None], EmbeddedMaster | None]
 
 
 @dataclass
@@ -66,13 +76,21 @@ def open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast) -> Po
     if mooncake is not None:
         return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
     if tp_rank != 0:
-        address = broadcast(None)
-        if address is None:
+        embedded = broadcast(None)
+        if embedded is None:
             raise RuntimeError(
                 "hybridkv: worker rank 0 could not start the embedded mooncake_master "
                 "(see its log); set MOONCAKE_CONFIG_PATH to use a shared master"
             )
-        return Pool(MooncakeStore.connect(MooncakeConfig(master_server_address=address)))
+        host = socket.gethostname()
+        if embedded.host != host:
+            raise RuntimeError(
+                "hybridkv: the embedded mooncake_master listens on the loopback of "
+                f"{embedded.host}, which TP rank {tp_rank} on {host} cannot reach; with ranks "
+                "on several hosts set MOONCAKE_CONFIG_PATH to a master every host reaches"
+            )
+        joined = MooncakeConfig(master_server_address=embedded.address)
+        return Pool(MooncakeStore.connect(joined))
     try:
         master = MasterProcess.start()
     except BaseException:
@@ -90,5 +108,5 @@ def open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast) -> Po
         master.stop()
         broadcast(None)
         raise
-    broadcast(master.address)
+    broadcast(EmbeddedMaster(socket.gethostname(), master.address))
     return Pool(store, master)
