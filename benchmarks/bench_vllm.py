@@ -13,6 +13,11 @@ read), on a real Mooncake pool (master + segment holder on loopback). In order:
    prefix (warm: the get waits). The exposed tail is the forward time spent blocked on
    transfers, from the connector's counters.
 
+A hybrid model (more than one KV cache group, e.g. the default LFM2) loads every hit in
+the background, layerwise or not: vLLM recomputes a failed load of such a model only for a
+request still waiting for its KV. Its layerwise instances then differ from the whole-block
+ones in their saves only; ``--model llama`` measures layer-by-layer loads.
+
 TTFT is vLLM's own ``first_token_latency`` of one request at a time after a warm-up
 request; figures are medians of ``--repeats`` requests. Ratios compare runs made one after
 another on the same machine, so a busy machine skews them: read them on a quiet one.
@@ -119,6 +124,12 @@ def main() -> int:
             "requests, each instance a process of its own",
             flush=True,
         )
+        if bench.model.hybrid:
+            print(
+                "  (hybrid model: every reader loads in the background, so the layerwise "
+                "instances differ in their saves only; --model llama loads layer by layer)",
+                flush=True,
+            )
         load = LoadWatch()
         fresh = [bench.fresh_prompt(200 + i) for i in range(len(bench.warm_prompts))]
         cold = _ttft(bench.run("cold", None, [fresh]).steps[1].prompts)

@@ -31,7 +31,12 @@ class TinyModel:
 
     name: str
     path: Path
-    kv_groups: str  # human-readable KV cache layout, for reports
+    kv_groups: str  # human-readable KV cache layout, for reports ("A + B": two groups)
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one KV cache group."""
+        return " + " in self.kv_groups
 
 
 def _tokenizer(directory: Path) -> None:

@@ -42,6 +42,21 @@ class Pool:
         return f"{self.master.host}:{self.master.metrics_port}"
 
 
+def write_pool_config(directory: Path, master: MasterProcess) -> Path:
+    """The `MOONCAKE_CONFIG_PATH` file of instances that mount no segment of their own."""
+    path = directory / "mooncake.json"
+    config = {
+        "master_server_address": master.address,
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "global_segment_size": 0,
+        "local_buffer_size": INSTANCE_BUFFER,
+        "local_hostname": "127.0.0.1",
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="session")
 def vllm_ready() -> None:
     """vLLM and the connector must import; under HYBRIDKV_REQUIRE_REAL=1 a gap fails."""
@@ -61,19 +76,7 @@ def pool(
     """Master + a holder lending the memory; instances mount no segment of their own, so
     everything they store lands in the holder and survives them."""
     with SegmentHolder.start(mooncake_master.address, HOLDER_SIZE):
-        config_path = tmp_path_factory.mktemp("mooncake") / "mooncake.json"
-        config_path.write_text(
-            json.dumps(
-                {
-                    "master_server_address": mooncake_master.address,
-                    "metadata_server": "P2PHANDSHAKE",
-                    "protocol": "tcp",
-                    "global_segment_size": 0,
-                    "local_buffer_size": INSTANCE_BUFFER,
-                    "local_hostname": "127.0.0.1",
-                }
-            )
-        )
+        config_path = write_pool_config(tmp_path_factory.mktemp("mooncake"), mooncake_master)
         store = MooncakeStore.connect(
             MooncakeConfig(
                 master_server_address=mooncake_master.address,

@@ -45,8 +45,8 @@ def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Tai
         models_dir, runs_dir, pool.config_path, pool.http, "tails", prefix_match_unit=UNIT
     )
 
-    # The writer saves layer by layer, the reader loads in the background (vLLM's async
-    # load path), the corrupted reader layer by layer: tails take every path.
+    # The writer saves layer by layer and the reader whole blocks; every reader of this
+    # hybrid model loads in the background (the only way vLLM recomputes a failed load).
     layerwise = {"namespace": "prompt-tails", "use_layerwise": True}
     in_background = {"namespace": "prompt-tails", "load_async": True}
     before = set(list_pool_keys(pool.http))

@@ -75,11 +75,44 @@ def test_partial_prefix_and_local_hit(vllm_specs: Any) -> None:
     assert side.num_new_matched_tokens(request("r", TOKENS), 96) == (0, False)
 
 
+def test_hits_load_in_the_background_when_vllm_requires_it(vllm_specs: Any) -> None:
+    """A hybrid model's loads wait in the background whatever `load_async` says: only
+    then can vLLM recompute a failed load."""
+    plan = plan_groups(groups(vllm_specs, (["a"], attention(vllm_specs))), [0], ModelShape(1, 2))
+    pool = Pool()
+    config = ConnectorConfig(load_async=False)
+    side = SchedulerSide(KeySpace(plan, "tiny"), config, pool.query, load_async_required=True)
+    _store(side, pool, TOKENS, [0], 96)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, True)
+
+
+def test_a_request_whose_load_failed_is_not_offered_the_pool_again(vllm_specs: Any) -> None:
+    """vLLM recomputes a request whose background load failed from its first token and
+    asks again: offering the same objects would fail again, as long as the master lists
+    them (a dead holder's objects), in a loop. The request id is reused only once vLLM
+    finished the request."""
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 96)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, False)
+    side.loads_failed({"r"})
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
+    assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (96, False)
+    side.forget("r")
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, False)
+
+
 def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
     side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     _store(side, pool, TOKENS, [0], 192)
+    side.take_stats()
     pool.down = True
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
+    assert side.take_stats() == {
+        "hit_tokens": 0,
+        "tail_hit_tokens": 0,
+        "lookups": 1,
+        "failed_lookups": 1,
+    }
 
 
 def test_salt_and_lora_change_the_keys(vllm_specs: Any) -> None:
@@ -263,7 +296,12 @@ def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit
     tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
     side.take_stats()  # the writer's lookups
     side.after_alloc(reader, tables, 176)
-    assert side.take_stats() == {"hit_tokens": 176, "tail_hit_tokens": 16, "lookups": 0}
+    assert side.take_stats() == {
+        "hit_tokens": 176,
+        "tail_hit_tokens": 16,
+        "lookups": 0,
+        "failed_lookups": 0,
+    }
     output = scheduler_output(new=[("r", tables, 176, 16)], tables={"r": tables})
     (transfers,) = side.build_meta(output).requests
     loads = {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads}

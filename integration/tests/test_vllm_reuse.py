@@ -217,17 +217,25 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
     assert fresh[:2] == cold[:2]
 
 
-@pytest.mark.parametrize("use_layerwise", [False, True])
+@pytest.mark.parametrize(
+    ("name", "use_layerwise"), [("llama", False), ("llama", True), ("lfm2", True)]
+)
 def test_a_failed_load_is_recomputed_by_vllm(
-    use_layerwise: bool, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    name: str,
+    use_layerwise: bool,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every pool read of the warm run fails: the connector reports the blocks, vLLM
-    (kv_load_failure_policy "recompute") recomputes them, and the output stays exact."""
-    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    """Every pool read of the warm run fails: the connector reports the failure, vLLM
+    (kv_load_failure_policy "recompute") recomputes, and the output stays exact. Llama
+    (one KV cache group) reports the blocks, of a load before the forward or layer by
+    layer; LFM2 (two groups, whose block ids repeat) loads in the background and reports
+    the request, as vLLM stops the engine on block ids it cannot map to requests."""
+    model = _in_process_model(name, tmp_path_factory, monkeypatch)
     from hybridkv.integration.pool import process_memory_store
     from hybridkv.transport import Status
 
-    extra = {"store": "memory", "namespace": f"failing-{use_layerwise}"}
+    extra = {"store": "memory", "namespace": f"failing-{name}-{use_layerwise}"}
     cold = _run(model, extra, failure_policy="recompute")
     store = process_memory_store()
     for operation in ("batch_get_whole", "get_ranges"):
@@ -237,6 +245,8 @@ def test_a_failed_load_is_recomputed_by_vllm(
     finally:
         store.clear_faults()
     assert warm[3]["failed_load_blocks"] > 0  # the pool did fail the reads
+    # and none was read again: a retry would have succeeded once the faults ran out
+    assert warm[3]["loaded_blocks"] == warm[3]["failed_load_blocks"]
     assert warm[:2] == cold[:2]  # recomputed, not read from half-loaded blocks
 
 

@@ -14,7 +14,7 @@ from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.layerwise import VllmLayerPlan, VllmLayerwise
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
-from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
+from hybridkv.integration.strategy import StepEnd, TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
 from hybridkv.transport import (
@@ -24,6 +24,7 @@ from hybridkv.transport import (
     MemoryStore,
     Status,
     TransferEngine,
+    TransferResult,
 )
 
 torch = pytest.importorskip("torch")
@@ -272,17 +273,27 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
     assert worker.take_load_errors() == set()
 
 
-def test_missing_object_is_a_load_error_and_async_loads_finish(rig: Any) -> None:
-    worker, _, _ = rig
-    loads = _refs([(0, 0, 4)])
-    _step(worker, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
+def _background_loads_done(worker: WorkerSide) -> set[str]:
+    """The requests whose background loads the worker reports done, within 5 s."""
     for _ in range(500):
         _, done = worker.finished(set())
         if done:
-            break
+            return done
         time.sleep(0.01)
-    assert done == {"c"}
-    assert worker.take_load_errors() == {4}
+    return set()
+
+
+def test_a_failed_background_load_fails_its_request_not_its_blocks(rig: Any) -> None:
+    """Reported by request (vLLM's `failed_recving`), with the call that reports it done:
+    block ids repeat across KV cache groups (block 4 of each group here), and vLLM stops
+    the engine of a hybrid model on failed block ids."""
+    worker, _, _ = rig
+    loads = _refs([(0, 0, 4), (1, 0, 4)])  # missing objects
+    _step(worker, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
+    assert _background_loads_done(worker) == {"c"}
+    assert worker.take_failed_requests() == {"c"}
+    assert worker.take_load_errors() == set()
+    assert worker.take_failed_requests() == set()
 
 
 def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
@@ -314,6 +325,41 @@ def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     worker.barrier()
     assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[0])]
     assert worker.take_stored_events() == []
+    stats = worker.counters.take()
+    assert stats is not None
+    assert (stats.data["saved_blocks"], stats.data["failed_save_blocks"]) == (2, 1)
+
+
+class _RaisingSaves:
+    """A strategy whose step saves settle, then their wait raises (a send thread died)."""
+
+    def __init__(self, inner: TransferStrategy) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def end_step(self) -> StepEnd:
+        end: StepEnd = self._inner.end_step()
+        settle = end.saves
+
+        def broken() -> TransferResult:
+            if settle is not None:
+                settle()
+            raise RuntimeError("the send thread died")
+
+        return StepEnd(end.loads, broken)
+
+
+def test_a_save_that_raises_counts_every_block_it_put_as_failed(rig: Any) -> None:
+    worker, _, _ = rig
+    raising = WorkerSide(worker.keys, worker.engine, _RaisingSaves(worker.strategy), 0, CpuEvent)
+    saves = _refs([(0, 0, 1), (0, 1, 2), (1, 1, 3)])
+    _step(raising, [RequestTransfers(request_id="a", saves=saves)])
+    assert raising.take_stored_events() == []
+    stats = raising.counters.take()
+    assert stats is not None
+    assert stats.data["failed_save_blocks"] == 3
 
 
 def _with_copier(rig: Any) -> WorkerSide:

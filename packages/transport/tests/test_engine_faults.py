@@ -22,7 +22,7 @@ from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingOpenStore, fail_at_call
 
 from hybridkv.transport import BlockTransfer, sessions
-from hybridkv.transport.errors import Status
+from hybridkv.transport.errors import Status, StoreUnavailable
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
@@ -98,6 +98,30 @@ def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
         outstanding = engine.outstanding("save")
     assert store.batch_is_readable([t.key for t in saves]) == [False] * len(saves)
     assert_clean(store, outstanding)
+
+
+@pytest.mark.parametrize("mode", ["layer", "staged"])
+def test_an_unanswered_existence_query_fails_the_save_and_opens_nothing(mode: str) -> None:
+    """The master gives no answer to the query that skips keys already stored: the store
+    raises rather than report a miss, and every block of the save fails before any put."""
+    store = MemoryStore()
+    caches, saves = filled_caches_and_saves(seed=14)
+    store.fail_next("batch_is_readable", lambda key: True, Status.RPC_FAILED)
+    with engine_for(store, caches, mode) as engine:
+        result = save(engine, saves, mode)
+        outstanding = engine.outstanding("save")
+    assert sorted(result.failed_keys) == sorted(t.key for t in saves)
+    assert store.committed_objects() == {}
+    assert_clean(store, outstanding)
+
+
+def test_a_store_without_an_answer_raises_instead_of_reporting_a_miss() -> None:
+    store = MemoryStore()
+    store.fail_next("batch_is_readable", ["a"], Status.TRANSFER_FAILED)
+    assert store.batch_is_readable(["a", "b"]) == [False, False]  # a failure on one key
+    store.fail_next("batch_is_readable", ["a"], Status.RPC_FAILED)
+    with pytest.raises(StoreUnavailable, match=r"batch_is_readable of 'a'.*RPC_FAILED"):
+        store.batch_is_readable(["a", "b"])
 
 
 @PER_LAYER_OR_IN_PLACE

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -145,6 +146,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
         self.keys = KeySpace(self.plan, model_name(vllm_config.model_config.model))
         self._instance = _instance_id(vllm_config)
+        # Block ids repeat across vLLM's KV cache groups: a failed load of a hybrid model
+        # must be reported by request, which vLLM 0.32 handles for background loads only
+        # (it stops the engine on failed block ids of a hybrid model).
+        self._hybrid = len(kv_cache_config.kv_cache_groups) > 1
         self._published: Path | None = None  # worker rank 0's rendezvous file, until taken
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
@@ -166,6 +171,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 storing = {g.vllm_group_id: g.heads.storing for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
+            if self._hybrid and not self.config.load_async:
+                logger.info(
+                    "hybridkv: %d KV cache groups: pool hits load in the background "
+                    "(load_async), the only way vLLM recomputes a failed load of a hybrid "
+                    "model; saves are unaffected",
+                    len(kv_cache_config.kv_cache_groups),
+                )
             self._scheduler = SchedulerSide(
                 self.keys,
                 self.config,
@@ -173,6 +185,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_role,
                 builder,
                 prompt_tail_unit(vllm_config, kv_cache_config),
+                load_async_required=self._hybrid,
             )
 
     def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:
@@ -220,6 +233,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.loads_failed(connector_output.failed_recving)
         reports = connector_output.kv_cache_events
         if self._announcer is not None and isinstance(reports, StoredEvents):
             self._announcer.add(reports.get_all_events())
@@ -362,6 +376,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, done = self.worker_side.finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_recving=done or set(),
+            failed_recving=self.worker_side.take_failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()

@@ -16,7 +16,7 @@ second query, whether such objects extend its aligned hit into the next block.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,9 +64,12 @@ class SchedulerSide:
         kv_role: str | None = None,
         events: EventBuilder | None = None,
         tail_unit: int = 0,
+        load_async_required: bool = False,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
-        tails are stored and looked up at its multiples); 0: whole blocks only."""
+        tails are stored and looked up at its multiples); 0: whole blocks only.
+        `load_async_required`: load in the background even if `load_async` is off (vLLM
+        recovers from a failed load of a hybrid model only while the request waits)."""
         self.keys = keys
         self._events = events
         self.plan = keys.plan
@@ -75,13 +78,18 @@ class SchedulerSide:
         self._saves = config.saves_for(kv_role)
         self.coordinator = self.plan.coordinator()
         self._tail_unit = tail_unit if config.prompt_tails else 0
+        self._load_async = config.load_async or load_async_required
         self._query = query
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _PendingLoad] = {}
         self._ready: dict[str, RequestTransfers] = {}
+        # Requests whose pool load failed: vLLM recomputes them from their first token,
+        # asking again, and the pool would offer the same objects again.
+        self._load_failed: set[str] = set()
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
         self.lookups = 0
+        self.failed_lookups = 0  # queries that got no answer: the pool counted as empty
         self.generation = 0
 
     def reset(self) -> None:
@@ -113,6 +121,8 @@ class SchedulerSide:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
         if not self._loads or getattr(request, "prompt_embeds", None) is not None:
             return 0, False  # a consumer told not to load, or no token ids to hash
+        if request.request_id in self._load_failed:
+            return 0, False  # its load failed once: vLLM computes it
         max_tokens = request.num_tokens - 1
         top = self.coordinator.max_boundary(max_tokens)
         reach = max_tokens // self._tail_unit * self._tail_unit if self._tail_unit else top
@@ -131,7 +141,7 @@ class SchedulerSide:
             return 0, False
         tail_tokens = hit.tokens - max(aligned.tokens, num_computed)
         self._pending[request.request_id] = _PendingLoad(num_computed, hit, tail_tokens)
-        return hit.tokens - num_computed, self.config.load_async
+        return hit.tokens - num_computed, self._load_async
 
     def _readable(self, tracked: _Tracked, mask: Masks, local: int) -> Masks | None:
         """Readability of the masked blocks; blocks vLLM already holds count as readable."""
@@ -191,6 +201,7 @@ class SchedulerSide:
             keys.extend(self.keys.keys(group, hashes, self.plan.groups[group].heads.heads))
         answers = self._query(keys) if keys else []
         if answers is None:
+            self.failed_lookups += 1
             return None
         readable: list[list[bool]] = []
         position = 0
@@ -239,7 +250,7 @@ class SchedulerSide:
         self.hit_tokens += external
         self.tail_hit_tokens += pending.tail_tokens
         self._ready[request.request_id] = RequestTransfers(
-            request_id=request.request_id, loads=loads, load_async=self.config.load_async
+            request_id=request.request_id, loads=loads, load_async=self._load_async
         )
 
     # -- per step ---------------------------------------------------------------------
@@ -367,16 +378,23 @@ class SchedulerSide:
                 saves.append(BlockRef(group, block, ids[block], tail_hash, tail=done))
         return saves
 
+    def loads_failed(self, request_ids: Iterable[str]) -> None:
+        """Requests whose pool load failed (vLLM's `failed_recving`): none is offered a
+        pool hit again; vLLM computes them instead of retrying the same objects."""
+        self._load_failed.update(request_ids)
+
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._ready.pop(request_id, None)
+        self._load_failed.discard(request_id)
 
     def take_stats(self) -> dict[str, int]:
         stats = {
             "hit_tokens": self.hit_tokens,
             "tail_hit_tokens": self.tail_hit_tokens,
             "lookups": self.lookups,
+            "failed_lookups": self.failed_lookups,
         }
-        self.hit_tokens = self.tail_hit_tokens = self.lookups = 0
+        self.hit_tokens = self.tail_hit_tokens = self.lookups = self.failed_lookups = 0
         return stats

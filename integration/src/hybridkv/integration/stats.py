@@ -21,6 +21,7 @@ FIELDS = (
     "hit_tokens",
     "tail_hit_tokens",
     "lookups",
+    "failed_lookups",
     "loaded_blocks",
     "loaded_bytes",
     "load_seconds",
@@ -28,6 +29,7 @@ FIELDS = (
     "saved_blocks",
     "saved_bytes",
     "save_seconds",
+    "failed_save_blocks",
 )
 # Layerwise mode only (`use_layerwise: true`): forward time blocked on transfers.
 LAYERWISE_FIELDS = (
@@ -94,6 +96,7 @@ PROMETHEUS_HELP = {
     "hit_tokens": "Prompt tokens the pool held when vLLM asked",
     "tail_hit_tokens": "Of the hit tokens, those past a block end (prompt tails)",
     "lookups": "Pool lookups made for requests",
+    "failed_lookups": "Pool lookups that got no answer (counted as misses)",
     "loaded_blocks": "Blocks loaded from the pool",
     "loaded_bytes": "Bytes loaded from the pool",
     "load_seconds": "Seconds spent loading whole blocks",
@@ -101,6 +104,7 @@ PROMETHEUS_HELP = {
     "saved_blocks": "Blocks saved to the pool",
     "saved_bytes": "Bytes saved to the pool",
     "save_seconds": "Seconds spent saving whole blocks",
+    "failed_save_blocks": "Blocks whose save failed (left out of the pool)",
     "layerwise_steps": "Steps that moved KV layer by layer",
     "layers_saved": "Layers handed to layerwise saves",
     "load_wait_s": "Forward seconds waiting for layer loads",

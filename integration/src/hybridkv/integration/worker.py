@@ -118,13 +118,16 @@ class WorkerSide:
         self._new_event = new_event
         self.counters = Counters()
         self.totals = Counters()
-        # Waits for issued saves, with the events of the blocks each one stores.
-        self._saves: list[tuple[Callable[[], TransferResult], dict[str, HeadStored]]] = []
+        # Waits for issued saves, with the events of the blocks each one stores and how
+        # many blocks it puts.
+        self._saves: list[tuple[Callable[[], TransferResult], dict[str, HeadStored], int]] = []
+        self._step_saves = 0
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._generation = 0
 
     def _count(self, **values: float) -> None:
@@ -149,11 +152,18 @@ class WorkerSide:
                 self._announce[key] = HeadStored(head, ref.stored, self._generation)
         return transfers
 
-    def _record_load(self, result: TransferResult) -> None:
+    def _record_load(self, result: TransferResult, request_id: str | None = None) -> None:
+        """Count a load and report its failures: a load before the forward by block ids
+        (vLLM keeps the blocks that did load), a background load by its `request_id`
+        (vLLM's `failed_recving`: it computes the request from its first token; block ids
+        would stop the engine of a hybrid model, whose groups repeat them)."""
         failed = {block for blocks in result.failed_blocks.values() for block in blocks}
         if failed:
             logger.warning("hybridkv: %d blocks failed to load; vLLM recomputes them", len(failed))
-        self._load_errors |= failed
+            if request_id is not None:
+                self._failed_requests.add(request_id)
+            else:
+                self._load_errors |= failed
         self._count(
             loaded_bytes=result.bytes,
             load_seconds=result.seconds,
@@ -163,13 +173,18 @@ class WorkerSide:
     def barrier(self) -> None:
         """Wait for every save issued so far: their source blocks may be reused next."""
         pending, self._saves = self._saves, []
-        for wait, announce in pending:
+        for wait, announce, blocks in pending:
             try:
                 result = wait()
             except Exception:
                 logger.exception("hybridkv: a save failed; those blocks stay uncached")
+                self._count(failed_save_blocks=blocks)
                 continue
-            self._count(saved_bytes=result.bytes, save_seconds=result.seconds)
+            self._count(
+                saved_bytes=result.bytes,
+                save_seconds=result.seconds,
+                failed_save_blocks=len(result.failed_keys),
+            )
             failed = set(result.failed_keys)
             self._stored.extend(event for key, event in announce.items() if key not in failed)
 
@@ -192,6 +207,7 @@ class WorkerSide:
                 sync.extend(loads)
             saves.extend(self._transfers(request.request_id, request.saves, writing=True))
         self._count(loaded_blocks=loaded_blocks, saved_blocks=len(saves))
+        self._step_saves = len(saves)
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
             fence = self._new_event()
@@ -229,21 +245,21 @@ class WorkerSide:
         announce, self._announce = self._announce, {}
         self._record_load(end.loads)
         if end.saves is not None:
-            self._saves.append((end.saves, announce))
+            self._saves.append((end.saves, announce, self._step_saves))
         self._count(**self.strategy.take_stats())
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Async loads that completed (their failures already in the load errors)."""
+        """Async loads that completed (their failures already reported: see `_record_load`)."""
         if finished_req_ids:
             self.engine.release(list(finished_req_ids))
         done = {rid for rid, (ticket, _) in self._async_loads.items() if ticket.done}
         for request_id in done:
             ticket, transfers = self._async_loads.pop(request_id)
             try:
-                self._record_load(ticket.wait())
+                self._record_load(ticket.wait(), request_id)
             except Exception:
                 logger.exception("hybridkv: async load of %s failed", request_id)
-                self._record_load(all_failed(transfers))
+                self._record_load(all_failed(transfers), request_id)
         return None, (done or None)
 
     def take_stored_events(self) -> list[HeadStored]:
@@ -255,6 +271,11 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose background load failed, once `finished` reported them done."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def close(self) -> None:
         self.strategy.close()

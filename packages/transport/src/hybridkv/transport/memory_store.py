@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
+from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed, error_for
 from hybridkv.transport.store import (
     Offsets,
     Pointers,
@@ -184,6 +184,9 @@ class MemoryStore:
         with self._pool.lock:
             self._check_open()
             faults = self._injected("batch_is_readable", keys)
+            for key, status in faults.items():
+                if status is Status.RPC_FAILED:  # no answer at all, as Mooncake's master down
+                    raise error_for(status, key, "batch_is_readable")
             return [key not in faults and key in self._pool.committed for key in keys]
 
     def batch_put_whole(

@@ -213,7 +213,13 @@ class MooncakeStore:
             self._registered.pop(ptr, None)
 
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
-        codes = self._master_call(keys, lambda client: client.batch_is_exist(list(keys)), failed=-1)
+        unanswered = Status.RPC_FAILED.value
+        codes = self._master_call(
+            keys, lambda client: client.batch_is_exist(list(keys)), failed=unanswered
+        )
+        if unanswered in codes:  # the master is down: no answer, not a miss
+            key = keys[codes.index(unanswered)]
+            raise error_for(Status.RPC_FAILED, key, "batch_is_readable")
         return [code == 1 for code in codes]
 
     def batch_put_whole(

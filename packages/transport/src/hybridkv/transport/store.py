@@ -46,7 +46,10 @@ class Store(Protocol):
         """Forget a region `register_buffer` made eligible, before its memory is freed."""
 
     def batch_is_readable(self, keys: Sequence[str]) -> list[bool]:
-        """True for keys committed and readable now; allocated-but-open objects are False."""
+        """True for keys committed and readable now; allocated-but-open objects are False.
+
+        Raises `StoreUnavailable` when the master gives no answer: not a miss.
+        """
 
     def batch_put_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]

@@ -1,0 +1,120 @@
+"""The pool fails under a running API server: vLLM keeps answering exactly, and says so.
+
+Server A stores two prompts' KV in a pool of this module's own (a master and a segment
+holder) and stops. Server B starts against the same pool; then
+- the segment holder is killed outright, its objects with it (the master lists them a
+  while longer): B's lookup of the first prompt still finds it, its load fails, vLLM
+  computes the request instead (`kv_load_failure_policy: recompute`; LFM2 is hybrid, so
+  the load ran in the background and failed as a request), the pool is not asked for it
+  again (once: vLLM's external hits count the prompt's blocks once), and B answers
+  exactly as A did; `failed_load_blocks` counts the blocks on `/metrics`;
+- the master is killed too: B's lookup of the second prompt gets no answer, which counts
+  as a miss (`failed_lookups`), its saves fail (`failed_save_blocks`), and B answers
+  exactly as A did.
+B stays healthy throughout, and stops on SIGINT like any server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tinymodels
+from api_server import (
+    EXTERNAL_HITS,
+    FAILED_LOADS,
+    FAILED_LOOKUPS,
+    FAILED_SAVES,
+    MODEL,
+    SAVED,
+    Server,
+    served,
+)
+from conftest import write_pool_config
+from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
+from vllm_instance import settled
+
+from hybridkv.transport import MasterProcess, SegmentHolder
+
+PROMPTS = [tinymodels.prompt_ids(seed, 2 * MAX_NUM_BATCHED_TOKENS + 1) for seed in (92, 93)]
+HIT = (len(PROMPTS[0]) - 1) // BLOCK * BLOCK
+WATCHED = (EXTERNAL_HITS, FAILED_LOADS, FAILED_LOOKUPS, FAILED_SAVES, SAVED)
+
+
+@dataclass
+class Phase:
+    answer: dict[str, Any]
+    counters: dict[str, float]  # what the request moved
+
+
+@dataclass
+class PoolLost:
+    stored: list[Phase]  # server A, the pool whole
+    holder_lost: Phase  # server B, the first prompt, its holder killed
+    master_lost: Phase  # server B, the second prompt, its master killed too
+
+
+def _ask(server: Server, prompt: list[int], before: dict[str, float]) -> Phase:
+    answer = server.complete(prompt)
+    counters = settled(lambda: server.counters(WATCHED), quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
+    return Phase(answer, {name: counters[name] - before.get(name, 0.0) for name in WATCHED})
+
+
+@pytest.fixture(scope="module")
+def own_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MasterProcess, Path]]:
+    """A master, killed by the test (stopped here whatever happened), and its config file
+    (beside which the killed processes keep their logs)."""
+    directory = tmp_path_factory.mktemp("lost-pool")
+    with MasterProcess.start(log_path=directory / "master.log") as master:
+        yield master, write_pool_config(directory, master)
+
+
+@pytest.fixture(scope="module")
+def pool_lost(
+    vllm_ready: None, own_pool: tuple[MasterProcess, Path], models_dir: Path, runs_dir: Path
+) -> PoolLost:
+    master, config_path = own_pool
+    model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
+    env = {"MOONCAKE_CONFIG_PATH": str(config_path)}
+    holder_log = config_path.parent / "holder.log"
+    with SegmentHolder.start(master.address, 256 << 20, log_path=holder_log) as holder:
+        with served(model, env, runs_dir / "lost-writer.log") as writer:
+            stored = []
+            for prompt in PROMPTS:
+                stored.append(_ask(writer, prompt, stored[-1].counters if stored else {}))
+        with served(model, env, runs_dir / "lost-reader.log") as reader:
+            start = reader.counters(WATCHED)
+            holder.kill()
+            holder_lost = _ask(reader, PROMPTS[0], start)
+            master.kill()
+            after_holder = {name: start[name] + holder_lost.counters[name] for name in WATCHED}
+            master_lost = _ask(reader, PROMPTS[1], after_holder)
+            reader.get("/health")  # raises unless the server still says it is healthy
+            return PoolLost(stored, holder_lost, master_lost)
+
+
+def test_the_writer_stored_both_prompts(pool_lost: PoolLost) -> None:
+    for phase in pool_lost.stored:
+        assert phase.counters[EXTERNAL_HITS] == 0
+        assert phase.counters[SAVED] > 0
+        assert phase.counters[FAILED_SAVES] == 0
+
+
+def test_loads_from_a_dead_holder_are_recomputed_exactly(pool_lost: PoolLost) -> None:
+    phase = pool_lost.holder_lost
+    assert phase.counters[EXTERNAL_HITS] == HIT  # the master still listed the objects
+    assert phase.counters[FAILED_LOADS] > 0
+    assert phase.answer["logprobs"] == pool_lost.stored[0].answer["logprobs"]
+
+
+def test_without_a_master_lookups_miss_saves_fail_and_answers_stay_exact(
+    pool_lost: PoolLost,
+) -> None:
+    phase = pool_lost.master_lost
+    assert phase.counters[EXTERNAL_HITS] == 0
+    assert phase.counters[FAILED_LOOKUPS] > 0
+    assert phase.counters[FAILED_SAVES] > 0
+    assert phase.answer["logprobs"] == pool_lost.stored[1].answer["logprobs"]
