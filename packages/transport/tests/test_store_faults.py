@@ -145,7 +145,7 @@ def test_lost_master_fails_calls_fast_and_recovery_follows_a_restart(
         for attempt in range(6):
             started = time.monotonic()
             statuses = put_all(store, keys_of(f"down{attempt}", 2), data)
-            with pytest.raises(StoreUnavailable, match="batch_is_readable of 'before"):
+            with pytest.raises(StoreUnavailable, match="batch_is_readable of 'fault-before"):
                 store.batch_is_readable(before)  # no answer, which is not a miss
             timings.append(time.monotonic() - started)
             assert statuses == [Status.RPC_FAILED] * 2
