@@ -98,12 +98,13 @@ def test_storing_heads_under_tp(
     st.sampled_from([(tp, storing) for tp in (1, 2, 4, 8, 16) for storing in (1, 2, 4, 8, 16)
                      if storing <= tp]),
     st.integers(0, 10_000),
+    st.integers(0, 7),
 )  # fmt: skip
 def test_each_block_of_each_head_has_one_writer_holding_that_head(
-    sizes: tuple[int, int], block: int
+    sizes: tuple[int, int], block: int, stripe: int
 ) -> None:
     tp, storing = sizes
-    plan = HeadPlan(storing, tp)
+    plan = HeadPlan(storing, tp, stripe)
     for head in plan.heads:
         writers = [r for r in range(tp) if plan.writes(r, block) and plan.head_of(r) == head]
         assert len(writers) == 1
@@ -114,6 +115,18 @@ def test_replicas_share_the_puts_of_a_head_evenly() -> None:
     plan = HeadPlan(2, 8)  # four ranks hold each head
     puts = [sum(plan.writes(rank, block) for block in range(64)) for rank in range(8)]
     assert puts == [16] * 8
+
+
+def test_the_groups_first_blocks_are_put_by_different_ranks(vllm_specs: Any) -> None:
+    """Three groups of one KV head at TP=4 (as MLA latent, indexer and compressor state):
+    a one-block prompt's three objects go to three ranks, not all to rank 0."""
+    config = groups(
+        vllm_specs,
+        *[([f"{name}.0"], attention(vllm_specs, heads=1)) for name in ("a", "b", "c")],
+    )
+    plan = plan_groups(config, [0, 1, 2], ModelShape(4, 1))
+    writers = [[r for r in range(4) if g.heads.writes(r, 0)] for g in plan.groups]
+    assert writers == [[0], [1], [2]]
 
 
 def test_mamba_state_is_sharded_unless_replicated(vllm_specs: Any) -> None:

@@ -30,11 +30,14 @@ class HeadPlan:
     `storing` distinct objects exist per block. When fewer KV heads than TP ranks exist,
     consecutive ranks hold the same heads: all of a run read each object, and they take
     turns writing them, block by block, so no rank carries every put of a replicated head
-    (MLA's latent at TP=8: each rank puts an eighth of the blocks).
+    (MLA's latent at TP=8: each rank puts an eighth of the blocks). `stripe` shifts the
+    turns (the group's position in the plan), so the groups' first blocks start on
+    different ranks.
     """
 
     storing: int
     tp_size: int
+    stripe: int = 0
 
     def __post_init__(self) -> None:
         if self.storing < 1 or self.tp_size % self.storing:
@@ -51,7 +54,7 @@ class HeadPlan:
 
     def writes(self, tp_rank: int, block_index: int) -> bool:
         """Whether `tp_rank` puts its head's object of logical block `block_index`."""
-        return tp_rank % self.replicas == block_index % self.replicas
+        return tp_rank % self.replicas == (block_index + self.stripe) % self.replicas
 
     @property
     def heads(self) -> range:
@@ -211,7 +214,7 @@ def plan_groups(
         _register_vllm_specs()
     if not group_ids:
         raise ValueError("the model has no prefix-cacheable KV cache group to store")
-    plans = []
+    plans: list[GroupPlan] = []
     for group_id in group_ids:
         group = kv_cache_groups[group_id]
         try:
@@ -224,7 +227,7 @@ def plan_groups(
                 kind=kind,
                 layer_names=tuple(sorted(group.layer_names)),
                 signature=signature,
-                heads=HeadPlan(storing, shape.tp_size),
+                heads=HeadPlan(storing, shape.tp_size, stripe=len(plans)),
             )
         )
     digest = layout_digest(
