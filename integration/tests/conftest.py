@@ -97,5 +97,6 @@ def scheduler_output(
             + [computed for _, _, computed, _ in resumed],
         ),
         num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
         kv_connector_block_state=state,
     )

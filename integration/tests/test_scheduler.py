@@ -101,6 +101,13 @@ def test_a_request_whose_load_failed_is_not_offered_the_pool_again(vllm_specs: A
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, False)
 
 
+def test_a_step_computing_nothing_is_marked_idle(vllm_specs: Any) -> None:
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    assert side.build_meta(scheduler_output()).idle
+    busy = scheduler_output(new=[("r", ([1, 2],), 0, 64)])
+    assert not side.build_meta(busy).idle
+
+
 def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
     side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     _store(side, pool, TOKENS, [0], 192)

@@ -296,6 +296,48 @@ def test_a_failed_background_load_fails_its_request_not_its_blocks(rig: Any) -> 
     assert worker.take_failed_requests() == set()
 
 
+class _SlowTicket:
+    """A background load that is done from its `polls`-th look on."""
+
+    def __init__(self, polls: int) -> None:
+        self._left = polls
+
+    @property
+    def done(self) -> bool:
+        self._left -= 1
+        return self._left <= 0
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        return TransferResult()
+
+
+class _SlowLoads:
+    """An engine whose background loads each need a few looks before they are done."""
+
+    def __init__(self, engine: TransferEngine, polls: int) -> None:
+        self._engine = engine
+        self._polls = polls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def load(self, transfers: Any, ready: Any = None) -> _SlowTicket:
+        return _SlowTicket(self._polls)
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_step_computing_nothing_waits_for_a_background_load(rig: Any, idle: bool) -> None:
+    """With only requests waiting for their KV, vLLM runs empty steps back to back; the
+    worker then waits a little for a load instead of reporting nothing at once."""
+    worker, _, _ = rig
+    slow = WorkerSide(worker.keys, _SlowLoads(worker.engine, 5), worker.strategy, 0, CpuEvent)
+    load = RequestTransfers(request_id="c", loads=_refs([(0, 0, 4)]), load_async=True)
+    slow.begin_step(HybridKVMetadata([load], idle=idle))
+    slow.start_async_loads()
+    slow.end_step()
+    assert slow.finished(set()) == (None, {"c"} if idle else None)
+
+
 def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     from vllm.distributed.kv_events import BlockStored
 

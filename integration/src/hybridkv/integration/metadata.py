@@ -54,11 +54,19 @@ class HybridKVMetadata(KVConnectorMetadata):
 
     `generation`: how many cache resets the scheduler has made; a worker that sees it
     change forgets which keys its requests own (their blocks hash anew from then on).
+    `idle`: the step computes no token (its requests wait for their KV): rather than let
+    vLLM spin through empty steps, the worker may wait a little for a background load.
     """
 
-    def __init__(self, requests: list[RequestTransfers] | None = None, generation: int = 0) -> None:
+    def __init__(
+        self,
+        requests: list[RequestTransfers] | None = None,
+        generation: int = 0,
+        idle: bool = False,
+    ) -> None:
         self.requests: list[RequestTransfers] = requests or []
         self.generation = generation
+        self.idle = idle
 
     def __repr__(self) -> str:
         loads = sum(len(r.loads) for r in self.requests)

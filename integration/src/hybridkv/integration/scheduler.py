@@ -282,7 +282,8 @@ class SchedulerSide:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
                     table.extend(ids)
             self._plan_saves(tracked, done, state, step)
-        return HybridKVMetadata(list(step.values()), self.generation)
+        idle = output.total_num_scheduled_tokens == 0
+        return HybridKVMetadata(list(step.values()), self.generation, idle)
 
     def _start(
         self,

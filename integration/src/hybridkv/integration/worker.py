@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,11 @@ from hybridkv.transport import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A step that computed nothing waits this long at most for a background load to finish,
+# polling it this often (sleeping: the load gets the CPU).
+IDLE_LOAD_WAIT_S = 0.05
+IDLE_POLL_S = 0.001
 
 
 def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[CacheEntry]:
@@ -128,6 +134,7 @@ class WorkerSide:
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
+        self._idle_step = False
         self._generation = 0
 
     def _count(self, **values: float) -> None:
@@ -191,6 +198,7 @@ class WorkerSide:
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """The step's metadata is bound, the forward not started: hand the strategy its plan."""
         self.barrier()
+        self._idle_step = meta.idle
         if meta.generation != self._generation:  # the scheduler reset the cache
             self.engine.release_all()
             self._generation = meta.generation
@@ -252,6 +260,8 @@ class WorkerSide:
         """Async loads that completed (their failures already reported: see `_record_load`)."""
         if finished_req_ids:
             self.engine.release(list(finished_req_ids))
+        if self._idle_step:
+            self._wait_for_a_load()
         done = {rid for rid, (ticket, _) in self._async_loads.items() if ticket.done}
         for request_id in done:
             ticket, transfers = self._async_loads.pop(request_id)
@@ -261,6 +271,16 @@ class WorkerSide:
                 logger.exception("hybridkv: async load of %s failed", request_id)
                 self._record_load(all_failed(transfers), request_id)
         return None, (done or None)
+
+    def _wait_for_a_load(self) -> None:
+        """On a step that computed nothing, wait (at most IDLE_LOAD_WAIT_S) for a
+        background load to finish: vLLM would otherwise run empty steps back to back,
+        competing with the load for the CPU, until one reports it."""
+        deadline = time.monotonic() + IDLE_LOAD_WAIT_S
+        while self._async_loads and time.monotonic() < deadline:
+            if any(ticket.done for ticket, _ in self._async_loads.values()):
+                return
+            time.sleep(IDLE_POLL_S)
 
     def take_stored_events(self) -> list[HeadStored]:
         """Events of the blocks whose puts were settled (by the barrier) since the last call:
