@@ -276,7 +276,7 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
 def _background_loads_done(worker: WorkerSide) -> set[str]:
     """The requests whose background loads the worker reports done, within 5 s."""
     for _ in range(500):
-        _, done = worker.finished(set())
+        done = worker.finished(set())
         if done:
             return done
         time.sleep(0.01)
@@ -335,7 +335,7 @@ def test_a_step_computing_nothing_waits_for_a_background_load(rig: Any, idle: bo
     slow.begin_step(HybridKVMetadata([load], idle=idle))
     slow.start_async_loads()
     slow.end_step()
-    assert slow.finished(set()) == (None, {"c"} if idle else None)
+    assert slow.finished(set()) == ({"c"} if idle else set())
 
 
 def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:

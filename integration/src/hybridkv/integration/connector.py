@@ -146,10 +146,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
         self.keys = KeySpace(self.plan, model_name(vllm_config.model_config.model))
         self._instance = _instance_id(vllm_config)
-        # Block ids repeat across vLLM's KV cache groups: a failed load of a hybrid model
-        # must be reported by request, which vLLM 0.32 handles for background loads only
-        # (it stops the engine on failed block ids of a hybrid model).
-        self._hybrid = len(kv_cache_config.kv_cache_groups) > 1
         self._published: Path | None = None  # worker rank 0's rendezvous file, until taken
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
@@ -171,7 +167,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 storing = {g.vllm_group_id: g.heads.storing for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
-            if self._hybrid and not self.config.load_async:
+            # Block ids repeat across vLLM's KV cache groups: a failed load of a hybrid
+            # model must be reported by request, which vLLM 0.32 handles for background
+            # loads only (it stops the engine on failed block ids of a hybrid model).
+            hybrid = len(kv_cache_config.kv_cache_groups) > 1
+            if hybrid and not self.config.load_async:
                 logger.info(
                     "hybridkv: %d KV cache groups: pool hits load in the background "
                     "(load_async), the only way vLLM recomputes a failed load of a hybrid "
@@ -185,7 +185,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_role,
                 builder,
                 prompt_tail_unit(vllm_config, kv_cache_config),
-                load_async_required=self._hybrid,
+                load_async_required=hybrid,
             )
 
     def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:
@@ -374,14 +374,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self.worker_side.end_step()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.finished(finished_req_ids)
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        _, done = self.worker_side.finished(finished_req_ids)
+        # vLLM 0.32 asks only this (its own default of it calls get_finished).
+        done = self.worker_side.finished(finished_req_ids)  # first: it records failures
         return KVConnectorTransferResults(
-            finished_recving=done or set(),
-            failed_recving=self.worker_side.take_failed_requests(),
+            finished_recving=done, failed_recving=self.worker_side.take_failed_requests()
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:

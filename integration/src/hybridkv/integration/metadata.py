@@ -45,7 +45,8 @@ class RequestTransfers(msgspec.Struct, kw_only=True):
     loads: list[BlockRef] = msgspec.field(default_factory=list)
     copies: list[StateCopy] = msgspec.field(default_factory=list)
     saves: list[BlockRef] = msgspec.field(default_factory=list)
-    # Load in the background and report through get_finished (vLLM's async load path).
+    # Load in the background and report through get_transfer_results (vLLM's async load
+    # path).
     load_async: bool = False
 
 

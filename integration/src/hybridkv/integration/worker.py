@@ -256,7 +256,7 @@ class WorkerSide:
             self._saves.append((end.saves, announce, self._step_saves))
         self._count(**self.strategy.take_stats())
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Async loads that completed (their failures already reported: see `_record_load`)."""
         if finished_req_ids:
             self.engine.release(list(finished_req_ids))
@@ -270,7 +270,7 @@ class WorkerSide:
             except Exception:
                 logger.exception("hybridkv: async load of %s failed", request_id)
                 self._record_load(all_failed(transfers), request_id)
-        return None, (done or None)
+        return done
 
     def _wait_for_a_load(self) -> None:
         """On a step that computed nothing, wait (at most IDLE_LOAD_WAIT_S) for a
