@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS
-from vllm_instance import start_group, stop_group
+from vllm_instance import settled, start_group, stop_group
 
 from hybridkv.transport.master import LOOPBACK, free_port
 
@@ -74,6 +74,18 @@ class Server:
         with urllib.request.urlopen(request, timeout=120) as reply:
             choice: dict[str, Any] = json.loads(reply.read())["choices"][0]
         return choice
+
+    def complete_counted(
+        self, prompt: list[int], names: Iterable[str] = COUNTERS, engine: int | None = None
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """The completion of `prompt` and how much it moved the counters `names` (read
+        before it, and after it once they stopped changing: stats reach `/metrics` with
+        the steps after the reply)."""
+        names = tuple(names)
+        before = self.counters(names)
+        answer = self.complete(prompt, engine)
+        after = settled(lambda: self.counters(names), quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
+        return answer, {name: after[name] - before[name] for name in names}
 
     def counters(self, names: Iterable[str] = COUNTERS) -> dict[str, float]:
         """Counters on `/metrics`, each summed over its label sets (0 if absent)."""

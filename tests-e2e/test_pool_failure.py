@@ -35,7 +35,6 @@ from api_server import (
 )
 from conftest import write_pool_config
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
-from vllm_instance import settled
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -57,10 +56,8 @@ class PoolLost:
     master_lost: Phase  # server B, the second prompt, its master killed too
 
 
-def _ask(server: Server, prompt: list[int], before: dict[str, float]) -> Phase:
-    answer = server.complete(prompt)
-    counters = settled(lambda: server.counters(WATCHED), quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
-    return Phase(answer, {name: counters[name] - before.get(name, 0.0) for name in WATCHED})
+def _ask(server: Server, prompt: list[int]) -> Phase:
+    return Phase(*server.complete_counted(prompt, WATCHED))
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +79,12 @@ def pool_lost(
     holder_log = config_path.parent / "holder.log"
     with SegmentHolder.start(master.address, 256 << 20, log_path=holder_log) as holder:
         with served(model, env, runs_dir / "lost-writer.log") as writer:
-            stored = []
-            for prompt in PROMPTS:
-                stored.append(_ask(writer, prompt, stored[-1].counters if stored else {}))
+            stored = [_ask(writer, prompt) for prompt in PROMPTS]
         with served(model, env, runs_dir / "lost-reader.log") as reader:
-            start = reader.counters(WATCHED)
             holder.kill()
-            holder_lost = _ask(reader, PROMPTS[0], start)
+            holder_lost = _ask(reader, PROMPTS[0])
             master.kill()
-            after_holder = {name: start[name] + holder_lost.counters[name] for name in WATCHED}
-            master_lost = _ask(reader, PROMPTS[1], after_holder)
+            master_lost = _ask(reader, PROMPTS[1])
             reader.get("/health")  # raises unless the server still says it is healthy
             return PoolLost(stored, holder_lost, master_lost)
 

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import tinymodels
 from api_server import (
-    COUNTERS,
     EXTERNAL_HITS,
     HYBRIDKV_HITS,
     HYBRIDKV_LOADED,
@@ -32,7 +31,6 @@ from api_server import (
 )
 from conftest import Pool
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS, thread_binding
-from vllm_instance import settled
 
 PROMPT = tinymodels.prompt_ids(90, 4 * MAX_NUM_BATCHED_TOKENS + 1)
 EXPECTED_HIT = (len(PROMPT) - 1) // BLOCK * BLOCK  # a multiple of the prefill chunk too
@@ -59,10 +57,7 @@ def served_twice(
     runs = []
     for name in ("writer", "reader"):
         with served(model, env, runs_dir / f"serve-{name}.log") as server:
-            answer = server.complete(PROMPT)
-            # stats reach /metrics with the steps after the reply
-            counters = settled(server.counters, quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
-            runs.append((answer, counters))
+            runs.append(server.complete_counted(PROMPT))
     return runs[0], runs[1]
 
 
@@ -113,12 +108,8 @@ def data_parallel(
     }
     runs = []
     with served(model, env, runs_dir / "serve-dp.log", data_parallel=2) as server:
-        before = dict.fromkeys(COUNTERS, 0.0)
         for engine in (0, 1):
-            answer = server.complete(DP_PROMPT, engine)
-            counters = settled(server.counters, quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
-            runs.append((answer, {name: counters[name] - before[name] for name in COUNTERS}))
-            before = counters
+            runs.append(server.complete_counted(DP_PROMPT, engine=engine))
     return runs[0], runs[1], [path.name for path in temp.rglob("hybridkv*")]
 
 
