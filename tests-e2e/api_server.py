@@ -50,10 +50,16 @@ class Server:
         self.base = f"http://{LOOPBACK}:{port}"
         self.model = model
 
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as reply:
+    def get(self, path: str, data: bytes | None = None) -> str:
+        """The reply to GET `path` (POST with `data`)."""
+        with urllib.request.urlopen(f"{self.base}{path}", data, timeout=30) as reply:
             text: str = reply.read().decode()
         return text
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache, so the next request asks the pool (a dev-mode
+        endpoint: the server needs VLLM_SERVER_DEV_MODE=1)."""
+        assert json.loads(self.get("/reset_prefix_cache", b""))["success"]
 
     def complete(self, prompt: list[int], engine: int | None = None) -> dict[str, Any]:
         """Greedy completion of `prompt` (by data-parallel `engine` if given)."""

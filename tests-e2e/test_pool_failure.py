@@ -2,12 +2,15 @@
 
 Server A stores two prompts' KV in a pool of this module's own (a master and a segment
 holder) and stops. Server B starts against the same pool; then
-- the segment holder is killed outright, its objects with it (the master lists them a
-  while longer): B's lookup of the first prompt still finds it, its load fails, vLLM
-  computes the request instead (`kv_load_failure_policy: recompute`; LFM2 is hybrid, so
-  the load ran in the background and failed as a request), the pool is not asked for it
-  again (once: vLLM's external hits count the prompt's blocks once), and B answers
-  exactly as A did; `failed_load_blocks` counts the blocks on `/metrics`;
+- the segment holder is killed outright, its objects with it (the master lists them
+  until the holder's client TTL, here 120 s): B's lookup of the first prompt still finds
+  it, its load fails, vLLM computes the request instead (`kv_load_failure_policy:
+  recompute`; LFM2 is hybrid, so the load ran in the background and failed as a
+  request), the pool is not asked for it again (once: vLLM's external hits count the
+  prompt's blocks once), and B answers exactly as A did; `failed_load_blocks` counts the
+  blocks on `/metrics`;
+- B's own prefix cache is emptied and the first prompt asked again: the objects that
+  failed are quarantined, so the pool offers nothing and no load fails again;
 - the master is killed too: B's lookup of the second prompt gets no answer, which counts
   as a miss (`failed_lookups`), its saves fail (`failed_save_blocks`), and B answers
   exactly as A did.
@@ -53,6 +56,7 @@ class Phase:
 class PoolLost:
     stored: list[Phase]  # server A, the pool whole
     holder_lost: Phase  # server B, the first prompt, its holder killed
+    asked_again: Phase  # server B, the first prompt again, after a local cache reset
     master_lost: Phase  # server B, the second prompt, its master killed too
 
 
@@ -65,7 +69,8 @@ def own_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MasterP
     """A master, killed by the test (stopped here whatever happened), and its config file
     (beside which the killed processes keep their logs)."""
     directory = tmp_path_factory.mktemp("lost-pool")
-    with MasterProcess.start(log_path=directory / "master.log") as master:
+    # A long client TTL keeps a dead holder's objects listed for the whole test.
+    with MasterProcess.start(log_path=directory / "master.log", client_ttl_s=120) as master:
         yield master, write_pool_config(directory, master)
 
 
@@ -75,7 +80,7 @@ def pool_lost(
 ) -> PoolLost:
     master, config_path = own_pool
     model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
-    env = {"MOONCAKE_CONFIG_PATH": str(config_path)}
+    env = {"MOONCAKE_CONFIG_PATH": str(config_path), "VLLM_SERVER_DEV_MODE": "1"}
     holder_log = config_path.parent / "holder.log"
     with SegmentHolder.start(master.address, 256 << 20, log_path=holder_log) as holder:
         with served(model, env, runs_dir / "lost-writer.log") as writer:
@@ -83,10 +88,12 @@ def pool_lost(
         with served(model, env, runs_dir / "lost-reader.log") as reader:
             holder.kill()
             holder_lost = _ask(reader, PROMPTS[0])
+            reader.reset_prefix_cache()
+            asked_again = _ask(reader, PROMPTS[0])
             master.kill()
             master_lost = _ask(reader, PROMPTS[1])
             reader.get("/health")  # raises unless the server still says it is healthy
-            return PoolLost(stored, holder_lost, master_lost)
+            return PoolLost(stored, holder_lost, asked_again, master_lost)
 
 
 def test_the_writer_stored_both_prompts(pool_lost: PoolLost) -> None:
@@ -100,6 +107,13 @@ def test_loads_from_a_dead_holder_are_recomputed_exactly(pool_lost: PoolLost) ->
     phase = pool_lost.holder_lost
     assert phase.counters[EXTERNAL_HITS] == HIT  # the master still listed the objects
     assert phase.counters[FAILED_LOADS] > 0
+    assert phase.answer["logprobs"] == pool_lost.stored[0].answer["logprobs"]
+
+
+def test_objects_that_failed_to_load_are_not_offered_again(pool_lost: PoolLost) -> None:
+    phase = pool_lost.asked_again
+    assert phase.counters[EXTERNAL_HITS] == 0  # listed by the master, but quarantined
+    assert phase.counters[FAILED_LOADS] == 0
     assert phase.answer["logprobs"] == pool_lost.stored[0].answer["logprobs"]
 
 

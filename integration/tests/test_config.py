@@ -69,6 +69,7 @@ def test_every_key_is_accepted() -> None:
         ({"staging_bytes": "lots"}, "staging_bytes"),
         ({"granularity": "bytes"}, "granularity"),
         ({"full_pool_pause_s": -1}, "full_pool_pause_s"),
+        ({"failed_load_quarantine_s": 0}, "failed_load_quarantine_s"),
     ],
 )
 def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:

@@ -86,19 +86,62 @@ def test_hits_load_in_the_background_when_vllm_requires_it(vllm_specs: Any) -> N
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, True)
 
 
-def test_a_request_whose_load_failed_is_not_offered_the_pool_again(vllm_specs: Any) -> None:
-    """vLLM recomputes a request whose background load failed from its first token and
-    asks again: offering the same objects would fail again, as long as the master lists
-    them (a dead holder's objects), in a loop. The request id is reused only once vLLM
-    finished the request."""
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _block_keys(side: SchedulerSide, tokens: list[int], group: int, blocks: slice) -> list[str]:
+    hashes = RequestHashes(side.plan, "", None)
+    hashes.cover(tokens, len(tokens))
+    size = side.plan.groups[group].block_size
+    return side.keys.keys(group, hashes.for_group(size)[blocks], [0])
+
+
+def test_keys_whose_load_failed_count_as_absent_while_quarantined(vllm_specs: Any) -> None:
+    """A dead holder's objects stay listed until the master drops them: lookups must not
+    offer them again, to the request vLLM recomputes (which asks again at once, in a
+    loop otherwise) or to any other; the blocks before the first failed one still serve."""
+    plan = plan_groups(groups(vllm_specs, (["a"], attention(vllm_specs))), [0], ModelShape(1, 2))
+    pool, clock = Pool(), Clock()
+    config = ConnectorConfig(failed_load_quarantine_s=30)
+    side = SchedulerSide(KeySpace(plan, "tiny"), config, pool.query, clock=clock)
+    _store(side, pool, TOKENS, [0], 160)
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (160, False)
+    side.loads_failed({"r"}, _block_keys(side, TOKENS, 0, slice(2, 4)))
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (64, False)
+    assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (64, False)
+    clock.now = 29.9
+    assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (64, False)
+    clock.now = 30.0
+    assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (160, False)
+    assert len(side.quarantine) == 0
+
+
+def test_a_recomputed_request_saves_the_blocks_past_its_new_hit(vllm_specs: Any) -> None:
+    """Its first hit had marked every block below it decided; vLLM computes them now, so
+    they are saved (the pool may have lost them with their holder)."""
     side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
-    _store(side, pool, TOKENS, [0], 96)
-    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, False)
-    side.loads_failed({"r"})
-    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
-    assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (96, False)
-    side.forget("r")
-    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, False)
+    _store(side, pool, TOKENS, [0], 160)
+    r = request("r", TOKENS)
+    assert side.num_new_matched_tokens(r, 0) == (160, False)
+    side.after_alloc(r, ([1, 2, 3, 4, 5, 6, 7],), 160)
+    side.build_meta(scheduler_output())
+    side.loads_failed({"r"}, _block_keys(side, TOKENS, 0, slice(2, 5)))
+    assert side.num_new_matched_tokens(r, 0) == (64, False)
+    side.after_alloc(r, ([11, 12, 13, 14, 15, 16, 17],), 64)
+    meta = side.build_meta(scheduler_output(new=[("r", ([11, 12, 13, 14, 15, 16, 17],), 64, 136)]))
+    (transfers,) = meta.requests
+    assert [ref.index for ref in transfers.loads] == [0, 1]
+    assert [(ref.index, ref.block_id) for ref in transfers.saves] == [
+        (2, 13),
+        (3, 14),
+        (4, 15),
+        (5, 16),
+    ]
 
 
 def test_a_step_computing_nothing_is_marked_idle(vllm_specs: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import _require
-from tinymodels import build, complete, new_llm
+from tinymodels import PROMPT, build, complete, new_llm
 
 HIT = 192  # every full 32-token block below the prompt's last token
 
@@ -248,6 +248,66 @@ def test_a_failed_load_is_recomputed_by_vllm(
     # and none was read again: a retry would have succeeded once the faults ran out
     assert warm[3]["loaded_blocks"] == warm[3]["failed_load_blocks"]
     assert warm[:2] == cold[:2]  # recomputed, not read from half-loaded blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+def test_blocks_that_failed_to_load_are_quarantined_and_those_before_them_reused(
+    name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads of the blocks holding prompt tokens 96 and later fail, every time. The first
+    warm request still reuses the blocks before them: Llama's load reports the failed
+    blocks and vLLM keeps the rest; LFM2's background load fails the request, vLLM
+    recomputes it from its first token and asks again, and the pool now offers only the
+    blocks before the failed ones. A later request is never offered the failed blocks (no
+    read fails again)."""
+    model = _in_process_model(name, tmp_path_factory, monkeypatch)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hybridkv.integration.keying import RequestHashes
+    from hybridkv.integration.pool import process_memory_store
+    from hybridkv.transport import Status
+
+    namespace = f"quarantine-{name}"
+    store = process_memory_store()
+    llm = new_llm(model, {"store": "memory", "namespace": namespace}, "recompute")
+    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
+    try:
+        cold = complete(llm)
+        connector = get_kv_transfer_group()
+        hashes = RequestHashes(connector.plan, namespace, None)
+        hashes.cover(PROMPT, len(PROMPT))
+        coordinator = connector.plan.coordinator()
+        pool = store.committed_objects()
+        readable = []  # blocks the pool holds and still reads
+        late = set()
+        for group, plan in enumerate(connector.plan.groups):
+            first = 96 // plan.block_size  # blocks holding tokens 96 and later
+            keys = connector.keys.keys(group, hashes.for_group(plan.block_size), [0])
+            late.update(keys[first:])
+            readable.append(tuple(key in pool and block < first for block, key in enumerate(keys)))
+        # LFM2 holds conv states only where a prefill chunk ended: the hit may end before 96.
+        reused = coordinator.find_hit(len(PROMPT) - 1, tuple(readable)).tokens
+        for operation in ("batch_get_whole", "get_ranges"):
+            store.fail_next(operation, late.__contains__, Status.TRANSFER_FAILED, calls=1000)
+        connector.transfer_totals(reset=True)
+        runs = []
+        for _ in range(2):
+            assert llm.reset_prefix_cache()  # vLLM's own cache only: the pool answers
+            runs.append((complete(llm), connector.transfer_totals(reset=True)))
+    finally:
+        store.clear_faults()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    _assert_shut_down(instance)
+    (first_run, first_totals), (later_run, later_totals) = runs
+    assert first_totals["failed_load_blocks"] > 0
+    assert first_run[:2] == later_run[:2] == cold[:2]
+    # vLLM counts as cached what a hit offered before the forward, failed blocks too.
+    assert first_run[2] == (192 if name == "llama" else reused)
+    assert later_run[2] == reused > 0
+    assert later_totals["loaded_blocks"] > 0
+    assert not later_totals.get("failed_load_blocks")
 
 
 def _check_pool_events(events: list[Any], saved_blocks: int) -> None:

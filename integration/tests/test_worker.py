@@ -13,7 +13,13 @@ from conftest import attention, groups, mamba
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.layerwise import VllmLayerPlan, VllmLayerwise
-from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
+from hybridkv.integration.metadata import (
+    BlockRef,
+    FailedLoads,
+    HybridKVMetadata,
+    RequestTransfers,
+    StateCopy,
+)
 from hybridkv.integration.strategy import StepEnd, TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
@@ -271,6 +277,8 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
     _step(worker, [RequestTransfers(request_id="b", loads=loads)])
     assert worker.take_load_errors() == {5, 6}
     assert worker.take_load_errors() == set()
+    assert worker.take_failed_keys() == set(_keys(worker, loads))  # for the quarantine
+    assert worker.take_failed_keys() == set()
 
 
 def _background_loads_done(worker: WorkerSide) -> set[str]:
@@ -294,6 +302,19 @@ def test_a_failed_background_load_fails_its_request_not_its_blocks(rig: Any) -> 
     assert worker.take_failed_requests() == {"c"}
     assert worker.take_load_errors() == set()
     assert worker.take_failed_requests() == set()
+    assert worker.take_failed_keys() == set(_keys(worker, loads))
+
+
+def _keys(worker: WorkerSide, refs: list[BlockRef]) -> list[str]:
+    return [worker.keys.keys(ref.group, [ref.block_hash], [0])[0] for ref in refs]
+
+
+def test_failed_keys_of_several_ranks_reach_the_scheduler_as_one_set() -> None:
+    """vLLM aggregates the workers' metadata of a step; a rank with none sends None."""
+    merged = FailedLoads(frozenset({"a", "b"})).aggregate(FailedLoads(frozenset({"b", "c"})))
+    assert merged == FailedLoads(frozenset({"a", "b", "c"}))
+    with pytest.raises(TypeError, match="cannot aggregate FailedLoads"):
+        FailedLoads(frozenset()).aggregate(object())  # type: ignore[arg-type]
 
 
 class _SlowTicket:

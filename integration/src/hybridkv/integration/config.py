@@ -48,6 +48,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     granularity: Granularity | Literal["auto"] = "auto"
     # After the pool refused a save for want of room, saves pause this many seconds.
     full_pool_pause_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # Objects whose load failed count as absent for lookups this many seconds (a dead
+    # holder's objects stay listed by the master until its client TTL, 10 s by default).
+    failed_load_quarantine_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     # False: never look up or load (the instance only stores), whatever its role.
     enable_lookup: bool = True
     # vLLM MooncakeStoreConnector's asynchronous lookup: hybridkv's lookup is one round trip

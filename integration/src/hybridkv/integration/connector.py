@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -35,7 +36,7 @@ from hybridkv.integration.lookup import (
     rendezvous_path,
     take_published_address,
 )
-from hybridkv.integration.metadata import HybridKVMetadata
+from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
@@ -233,7 +234,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler_side.loads_failed(connector_output.failed_recving)
+        failed = connector_output.kv_connector_worker_meta
+        self.scheduler_side.loads_failed(
+            connector_output.failed_recving,
+            failed.keys if isinstance(failed, FailedLoads) else (),
+        )
         reports = connector_output.kv_cache_events
         if self._announcer is not None and isinstance(reports, StoredEvents):
             self._announcer.add(reports.get_all_events())
@@ -383,6 +388,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        keys = self.worker_side.take_failed_keys()
+        return FailedLoads(frozenset(keys)) if keys else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         if not self._events_on or self._worker is None:

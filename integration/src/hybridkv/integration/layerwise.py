@@ -184,7 +184,11 @@ class VllmLayerwise:
         saved = TransferResult(
             failed_keys=result.failed_keys, bytes=max(result.bytes - loaded_bytes, 0)
         )
-        loaded = TransferResult(failed_blocks=failed, bytes=loaded_bytes)
+        loaded = TransferResult(
+            failed_blocks=failed,
+            failed_keys=[t.key for t in loads if (t.group, t.local_block) in lost],
+            bytes=loaded_bytes,
+        )
         return StepEnd(loaded, lambda: saved)
 
     def take_stats(self) -> dict[str, float]:

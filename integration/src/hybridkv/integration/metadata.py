@@ -6,9 +6,14 @@ so one metadata object serves every TP rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 from vllm.distributed.kv_events import BlockStored
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 class BlockRef(msgspec.Struct, frozen=True, array_like=True):
@@ -73,3 +78,16 @@ class HybridKVMetadata(KVConnectorMetadata):
         loads = sum(len(r.loads) for r in self.requests)
         saves = sum(len(r.saves) for r in self.requests)
         return f"HybridKVMetadata(requests={len(self.requests)}, loads={loads}, saves={saves})"
+
+
+@dataclass(frozen=True)
+class FailedLoads(KVConnectorWorkerMetadata):
+    """Worker to scheduler: the keys whose reads failed in a step, on any TP rank (vLLM
+    aggregates the ranks'), for the scheduler to quarantine."""
+
+    keys: frozenset[str]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> FailedLoads:
+        if not isinstance(other, FailedLoads):
+            raise TypeError(f"cannot aggregate FailedLoads with {type(other).__name__}")
+        return FailedLoads(self.keys | other.keys)

@@ -16,6 +16,7 @@ second query, whether such objects extend its aligned hit into the next block.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
+from hybridkv.integration.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +67,13 @@ class SchedulerSide:
         events: EventBuilder | None = None,
         tail_unit: int = 0,
         load_async_required: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
         `load_async_required`: load in the background even if `load_async` is off (vLLM
-        recovers from a failed load of a hybrid model only while the request waits)."""
+        recovers from a failed load of a hybrid model only while the request waits).
+        `clock`: the time that quarantined keys are released by."""
         self.keys = keys
         self._events = events
         self.plan = keys.plan
@@ -83,9 +87,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _PendingLoad] = {}
         self._ready: dict[str, RequestTransfers] = {}
-        # Requests whose pool load failed: vLLM recomputes them from their first token,
-        # asking again, and the pool would offer the same objects again.
-        self._load_failed: set[str] = set()
+        self.quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
         self.lookups = 0
@@ -121,8 +123,6 @@ class SchedulerSide:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
         if not self._loads or getattr(request, "prompt_embeds", None) is not None:
             return 0, False  # a consumer told not to load, or no token ids to hash
-        if request.request_id in self._load_failed:
-            return 0, False  # its load failed once: vLLM computes it
         max_tokens = request.num_tokens - 1
         top = self.coordinator.max_boundary(max_tokens)
         reach = max_tokens // self._tail_unit * self._tail_unit if self._tail_unit else top
@@ -203,6 +203,10 @@ class SchedulerSide:
         if answers is None:
             self.failed_lookups += 1
             return None
+        if len(self.quarantine):
+            answers = [
+                ok and not self.quarantine.holds(key) for key, ok in zip(keys, answers, strict=True)
+            ]
         readable: list[list[bool]] = []
         position = 0
         for group, hashes in batches:
@@ -379,16 +383,27 @@ class SchedulerSide:
                 saves.append(BlockRef(group, block, ids[block], tail_hash, tail=done))
         return saves
 
-    def loads_failed(self, request_ids: Iterable[str]) -> None:
-        """Requests whose pool load failed (vLLM's `failed_recving`): none is offered a
-        pool hit again; vLLM computes them instead of retrying the same objects."""
-        self._load_failed.update(request_ids)
+    def loads_failed(self, request_ids: Iterable[str], keys: Iterable[str]) -> None:
+        """Pool reads failed: `keys`, whose objects count as absent while quarantined,
+        and `request_ids`, background loads that vLLM now computes from their first token
+        (vLLM's `failed_recving`). Such a request is tracked afresh when vLLM asks for it
+        again: its hit stops before the first failed block, and the blocks it computes
+        past that hit are saved."""
+        keys = list(keys)
+        if keys:
+            logger.warning(
+                "hybridkv: %d pool objects failed to load; lookups skip them for %g s",
+                len(keys),
+                self.quarantine.seconds,
+            )
+            self.quarantine.add(keys)
+        for request_id in request_ids:
+            self._tracked.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._ready.pop(request_id, None)
-        self._load_failed.discard(request_id)
 
     def take_stats(self) -> dict[str, int]:
         stats = {

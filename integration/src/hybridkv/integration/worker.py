@@ -134,6 +134,7 @@ class WorkerSide:
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
+        self._failed_keys: set[str] = set()
         self._idle_step = False
         self._generation = 0
 
@@ -163,8 +164,10 @@ class WorkerSide:
         """Count a load and report its failures: a load before the forward by block ids
         (vLLM keeps the blocks that did load), a background load by its `request_id`
         (vLLM's `failed_recving`: it computes the request from its first token; block ids
-        would stop the engine of a hybrid model, whose groups repeat them)."""
+        would stop the engine of a hybrid model, whose groups repeat them). Either way the
+        failed keys go to the scheduler, which quarantines them."""
         failed = {block for blocks in result.failed_blocks.values() for block in blocks}
+        self._failed_keys.update(result.failed_keys)
         if failed:
             logger.warning("hybridkv: %d blocks failed to load; vLLM recomputes them", len(failed))
             if request_id is not None:
@@ -296,6 +299,11 @@ class WorkerSide:
         """Requests whose background load failed, once `finished` reported them done."""
         failed, self._failed_requests = self._failed_requests, set()
         return failed
+
+    def take_failed_keys(self) -> set[str]:
+        """Keys whose reads failed since the last call."""
+        keys, self._failed_keys = self._failed_keys, set()
+        return keys
 
     def close(self) -> None:
         self.strategy.close()

@@ -1,0 +1,50 @@
+"""Keys whose load failed, kept out of lookups for a while.
+
+A segment holder that dies takes its objects with it, but the master keeps listing them
+until the holder's client TTL runs out (Mooncake's default: 10 s). Without a memory of the
+failure every lookup in that time would find them, and every request whose prefix they
+hold would load, fail and recompute in turn (the one that failed, asked again by vLLM, in
+a loop). A quarantined key counts as absent, so a hit stops before the first block that
+failed and the blocks before it are still reused.
+
+Sans-I/O: the clock is passed in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+
+class Quarantine:
+    """Keys that count as absent until `seconds` after their (last) failure."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if seconds <= 0:
+            raise ValueError(f"quarantine must last a positive time, got {seconds} s")
+        self.seconds = seconds
+        self._clock = clock
+        # key -> release time; insertion order is release order (one constant duration).
+        self._until: dict[str, float] = {}
+
+    def add(self, keys: Iterable[str]) -> None:
+        until = self._clock() + self.seconds
+        for key in keys:
+            self._until.pop(key, None)  # re-inserted last: released last
+            self._until[key] = until
+
+    def holds(self, key: str) -> bool:
+        self._release()
+        return key in self._until
+
+    def __len__(self) -> int:
+        self._release()
+        return len(self._until)
+
+    def _release(self) -> None:
+        now = self._clock()
+        while self._until:
+            key, until = next(iter(self._until.items()))
+            if until > now:
+                return
+            del self._until[key]

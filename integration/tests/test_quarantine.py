@@ -1,0 +1,53 @@
+"""The quarantine of failed keys against a model that remembers every failure."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.integration.quarantine import Quarantine
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+KEYS = st.sampled_from(["a", "b", "c", "d"])
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(KEYS, max_size=3)),
+        st.tuples(st.just("wait"), st.floats(0, 20)),
+    ),
+    max_size=30,
+)
+
+
+@given(STEPS)
+def test_a_key_is_held_until_its_last_failure_is_older_than_the_quarantine(
+    steps: list[tuple[str, object]],
+) -> None:
+    clock = Clock()
+    quarantine = Quarantine(10.0, clock)
+    failed_at: dict[str, float] = {}
+    for action, value in steps:
+        if action == "add":
+            assert isinstance(value, list)
+            quarantine.add(value)
+            failed_at.update(dict.fromkeys(value, clock.now))
+        else:
+            assert isinstance(value, float)
+            clock.now += value
+        held = {key for key, at in failed_at.items() if clock.now < at + 10.0}
+        assert {key for key in "abcd" if quarantine.holds(key)} == held
+        assert len(quarantine) == len(held)
+
+
+@pytest.mark.parametrize("seconds", [0, -1])
+def test_a_quarantine_must_last(seconds: float) -> None:
+    with pytest.raises(ValueError, match="positive time"):
+        Quarantine(seconds)
