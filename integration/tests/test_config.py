@@ -65,6 +65,8 @@ def test_every_key_is_accepted() -> None:
         ({"store": "redis"}, "store"),
         ({"discard_partial_chunks": False}, "discard_partial_chunks"),
         ({"namespace": "a@b"}, "namespace"),
+        ({"namespace": "a/b"}, "namespace"),
+        ({"namespace": "a\nb"}, "namespace"),
         ({"staging_bytes": -1}, "staging_bytes"),
         ({"staging_bytes": "lots"}, "staging_bytes"),
         ({"granularity": "bytes"}, "granularity"),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hybridkv.coordinator import FullAttention, RecurrentState, SlidingWindow
 from hybridkv.integration.groups import HeadPlan, ModelShape, plan_groups
+from hybridkv.integration.keying import KeySpace
 
 SHAPE = ModelShape(tp_size=1, total_kv_heads=2)
 
@@ -67,6 +68,25 @@ def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
         len({base, digest(2, 32, 2), digest(1, 64, 2), digest(1, 32, 1), digest(1, 32, 2, "n")})
         == 5
     )
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_namespace_has_key_prefixes_of_its_own(vllm_specs: Any, hybrid: bool) -> None:
+    """A cache reset removes objects by key prefix: it must reach its own namespace only,
+    in the single-group format (no layout field) as in the hybrid one."""
+    kinds = [(["a"], attention(vllm_specs))] + ([(["m"], mamba(vllm_specs))] if hybrid else [])
+
+    def space(namespace: str) -> KeySpace:
+        plan = plan_groups(groups(vllm_specs, *kinds), list(range(len(kinds))), SHAPE, namespace)
+        assert plan.hybrid == hybrid
+        return KeySpace(plan, "tiny", namespace)
+
+    spaces = {namespace: space(namespace) for namespace in ("", "a", "ab", "b~c")}
+    for namespace, keys in spaces.items():
+        own = [keys.keys(g, [b"\x01" * 32], [0])[0] for g in range(len(kinds))]
+        for other, other_keys in spaces.items():
+            matches = [key.startswith(tuple(other_keys.prefixes())) for key in own]
+            assert all(matches) if other == namespace else not any(matches), (namespace, other)
 
 
 @pytest.mark.parametrize(

@@ -176,8 +176,8 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
 ) -> None:
     """`reset_prefix_cache(reset_connector=True)` (what vLLM does around a weight update):
     the same engine then recomputes the prompt instead of loading what it stored before,
-    stores it anew and reuses that; the model's old objects are gone from the pool (every
-    namespace's), so a new engine finds nothing either."""
+    stores it anew and reuses that; the model's old objects of its namespace are gone from
+    the pool, so a new engine finds nothing either; another namespace keeps its own."""
     model = _in_process_model("llama", tmp_path_factory, monkeypatch)
     from hybridkv.integration.pool import process_memory_store
 
@@ -185,9 +185,13 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
     extra = {"store": "memory", "namespace": "reset"}
 
     def stored() -> set[str]:
-        return {key for key in store.committed_objects() if key.startswith("llama@")}
+        return {key for key in store.committed_objects() if key.startswith("llama~reset@")}
 
     other_tests = stored()
+    kept = set(store.committed_objects())
+    assert _run(model, {"store": "memory", "namespace": "kept"})[3]["saved_blocks"] > 0
+    kept = set(store.committed_objects()) - kept  # another deployment's objects
+    assert kept
     llm = new_llm(model, extra)
     instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
     try:
@@ -197,6 +201,7 @@ def test_a_cache_reset_keeps_older_kv_from_being_loaded(
         assert mine
         assert llm.reset_prefix_cache(reset_connector=True)
         assert stored() == set()
+        assert kept <= set(store.committed_objects())
         recomputed = complete(llm)
         assert recomputed[2] == 0  # neither vLLM's cache nor the pool answered
         assert recomputed[:2] == cold[:2]

@@ -72,7 +72,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Where vLLM's own prefix cache hits inside blocks (Mamba "align" with a
     # prefix_match_unit finer than the blocks), store and load prompt tails there too.
     prompt_tails: bool = True
-    # Keeps deployments that share one pool apart (also folded into every block hash).
+    # Keeps deployments that share one pool apart: folded into every block hash and key.
     namespace: str = ""
     # AscendStoreConnector's backend selector; only Mooncake is offered.
     backend: Literal["mooncake"] = "mooncake"
@@ -95,8 +95,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "hybridkv stores whole blocks, and partial ones only where vLLM's own prefix "
                 "cache would reuse them (prompt_tails)"
             )
-        if "@" in self.namespace:
-            raise ValueError(f"namespace must not contain '@': {self.namespace!r}")
+        # It becomes part of the key's model field (single-group format).
+        if "@" in self.namespace or "/" in self.namespace or not self.namespace.isprintable():
+            raise ValueError(f"namespace must be printable, without '@' or '/': {self.namespace!r}")
         if self.prefill_pp_size != 1 or self.prefill_pp_layer_partition is not None:
             raise ValueError(
                 "prefill_pp_size / prefill_pp_layer_partition: pipeline parallelism is not "

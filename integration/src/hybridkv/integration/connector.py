@@ -145,7 +145,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert transfer is not None
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
-        self.keys = KeySpace(self.plan, model_name(vllm_config.model_config.model))
+        self.keys = KeySpace(
+            self.plan, model_name(vllm_config.model_config.model), self.config.namespace
+        )
         self._instance = _instance_id(vllm_config)
         self._published: Path | None = None  # worker rank 0's rendezvous file, until taken
         self._scheduler: SchedulerSide | None = None

@@ -69,9 +69,15 @@ class RequestHashes:
 
 
 class KeySpace:
-    """Renders the keys of every group: BlockKey for one group, HybridKey for several."""
+    """Renders the keys of every group: BlockKey for one group, HybridKey for several.
 
-    def __init__(self, plan: KVPlan, model: str) -> None:
+    Both formats keep namespaces apart in the key, not only in the hash, so that removing
+    by key prefix (a cache reset) reaches one namespace: the hybrid format through its
+    layout digest, which folds the namespace in; the single-group format, which has no
+    layout field, through its model field (`{model}~{namespace}`).
+    """
+
+    def __init__(self, plan: KVPlan, model: str, namespace: str = "") -> None:
         self.plan = plan
         if plan.hybrid:
             self._renderers = [
@@ -79,7 +85,8 @@ class KeySpace:
                 for group in plan.groups
             ]
         else:
-            self._renderers = [KeyRenderer.single_group(model)]
+            scoped = f"{model}~{namespace}" if namespace else model
+            self._renderers = [KeyRenderer.single_group(scoped)]
 
     def keys(self, group: int, hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
         """Keys of `hashes` in plan group `group`, block-major, `heads` within a block."""
