@@ -31,6 +31,7 @@ HYBRIDKV_LOADED = "vllm:hybridkv_loaded_blocks_total"
 FAILED_LOOKUPS = "vllm:hybridkv_failed_lookups_total"
 FAILED_LOADS = "vllm:hybridkv_failed_load_blocks_total"
 FAILED_SAVES = "vllm:hybridkv_failed_save_blocks_total"
+QUARANTINED = "vllm:hybridkv_quarantined_keys_total"
 SAVED = "vllm:hybridkv_saved_blocks_total"
 COUNTERS = (EXTERNAL_HITS, HYBRIDKV_HITS, HYBRIDKV_LOADED)
 START_TIMEOUT_S = 300.0

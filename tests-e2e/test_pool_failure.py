@@ -10,7 +10,8 @@ holder) and stops. Server B starts against the same pool; then
   prompt's blocks once), and B answers exactly as A did; `failed_load_blocks` counts the
   blocks on `/metrics`;
 - B's own prefix cache is emptied and the first prompt asked again: the objects that
-  failed are quarantined, so the pool offers nothing and no load fails again;
+  failed are quarantined (`quarantined_keys` counts them), so the pool offers nothing and
+  no load fails again;
 - the master is killed too: B's lookup of the second prompt gets no answer, which counts
   as a miss (`failed_lookups`), its saves fail (`failed_save_blocks`), and B answers
   exactly as A did.
@@ -32,6 +33,7 @@ from api_server import (
     FAILED_LOOKUPS,
     FAILED_SAVES,
     MODEL,
+    QUARANTINED,
     SAVED,
     Server,
     served,
@@ -43,7 +45,7 @@ from hybridkv.transport import MasterProcess, SegmentHolder
 
 PROMPTS = [tinymodels.prompt_ids(seed, 2 * MAX_NUM_BATCHED_TOKENS + 1) for seed in (92, 93)]
 HIT = (len(PROMPTS[0]) - 1) // BLOCK * BLOCK
-WATCHED = (EXTERNAL_HITS, FAILED_LOADS, FAILED_LOOKUPS, FAILED_SAVES, SAVED)
+WATCHED = (EXTERNAL_HITS, FAILED_LOADS, FAILED_LOOKUPS, FAILED_SAVES, QUARANTINED, SAVED)
 
 
 @dataclass
@@ -107,6 +109,7 @@ def test_loads_from_a_dead_holder_are_recomputed_exactly(pool_lost: PoolLost) ->
     phase = pool_lost.holder_lost
     assert phase.counters[EXTERNAL_HITS] == HIT  # the master still listed the objects
     assert phase.counters[FAILED_LOADS] > 0
+    assert phase.counters[QUARANTINED] > 0
     assert phase.answer["logprobs"] == pool_lost.stored[0].answer["logprobs"]
 
 

@@ -112,6 +112,7 @@ def test_keys_whose_load_failed_count_as_absent_while_quarantined(vllm_specs: An
     _store(side, pool, TOKENS, [0], 160)
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (160, False)
     side.loads_failed({"r"}, _block_keys(side, TOKENS, 0, slice(2, 4)))
+    assert side.take_stats()["quarantined_keys"] == 2
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (64, False)
     assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (64, False)
     clock.now = 29.9
@@ -162,6 +163,7 @@ def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
         "tail_hit_tokens": 0,
         "lookups": 1,
         "failed_lookups": 1,
+        "quarantined_keys": 0,
     }
 
 
@@ -351,6 +353,7 @@ def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit
         "tail_hit_tokens": 16,
         "lookups": 0,
         "failed_lookups": 0,
+        "quarantined_keys": 0,
     }
     output = scheduler_output(new=[("r", tables, 176, 16)], tables={"r": tables})
     (transfers,) = side.build_meta(output).requests

@@ -14,6 +14,7 @@ import pytest
 from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save, unique_prefix
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 
+from hybridkv.transport import sessions
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
@@ -57,6 +58,20 @@ def test_staging_smaller_than_the_batch_round_trips_in_waves(
 ) -> None:
     largest = max(layout.object_size for layout in Caches(num_blocks=8).layouts)
     round_trip(store, reader_store, write_mode, read_mode, staging_bytes=largest * 5 // 2)
+
+
+@pytest.mark.parametrize(("write_mode", "read_mode"), list(itertools.product(STAGED, STAGED)))
+def test_staged_calls_in_many_parts_round_trip(
+    store: Store,
+    reader_store: Store,
+    write_mode: str,
+    read_mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One part per key: each part of a staged call is copied while the next one moves."""
+    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    round_trip(store, reader_store, write_mode, read_mode)
 
 
 @pytest.mark.parametrize(

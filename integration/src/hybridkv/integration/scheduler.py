@@ -92,6 +92,7 @@ class SchedulerSide:
         self.tail_hit_tokens = 0
         self.lookups = 0
         self.failed_lookups = 0  # queries that got no answer: the pool counted as empty
+        self.quarantined_keys = 0
         self.generation = 0
 
     def reset(self) -> None:
@@ -397,6 +398,7 @@ class SchedulerSide:
                 self.quarantine.seconds,
             )
             self.quarantine.add(keys)
+            self.quarantined_keys += len(keys)
         for request_id in request_ids:
             self._tracked.pop(request_id, None)
 
@@ -411,6 +413,8 @@ class SchedulerSide:
             "tail_hit_tokens": self.tail_hit_tokens,
             "lookups": self.lookups,
             "failed_lookups": self.failed_lookups,
+            "quarantined_keys": self.quarantined_keys,
         }
         self.hit_tokens = self.tail_hit_tokens = self.lookups = self.failed_lookups = 0
+        self.quarantined_keys = 0
         return stats
