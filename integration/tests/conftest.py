@@ -100,3 +100,13 @@ def scheduler_output(
         total_num_scheduled_tokens=sum(scheduled.values()),
         kv_connector_block_state=state,
     )
+
+
+class Clock:
+    """A settable clock for code that takes one (the quarantine's)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import Clock
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.integration.quarantine import Quarantine
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 KEYS = st.sampled_from(["a", "b", "c", "d"])
 STEPS = st.lists(

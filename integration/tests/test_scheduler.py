@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from conftest import attention, groups, mamba, request, scheduler_output
+from conftest import Clock, attention, groups, mamba, request, scheduler_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -84,14 +84,6 @@ def test_hits_load_in_the_background_when_vllm_requires_it(vllm_specs: Any) -> N
     side = SchedulerSide(KeySpace(plan, "tiny"), config, pool.query, load_async_required=True)
     _store(side, pool, TOKENS, [0], 96)
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, True)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _block_keys(side: SchedulerSide, tokens: list[int], group: int, blocks: slice) -> list[str]:
