@@ -13,7 +13,7 @@ Sans-I/O: the clock is passed in.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 
 class Quarantine:
@@ -33,9 +33,12 @@ class Quarantine:
             self._until.pop(key, None)  # re-inserted last: released last
             self._until[key] = until
 
-    def holds(self, key: str) -> bool:
+    def holding(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of `keys` is quarantined (one look at the clock for all)."""
         self._release()
-        return key in self._until
+        if not self._until:
+            return [False] * len(keys)
+        return [key in self._until for key in keys]
 
     def __len__(self) -> int:
         self._release()

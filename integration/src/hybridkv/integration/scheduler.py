@@ -204,10 +204,8 @@ class SchedulerSide:
         if answers is None:
             self.failed_lookups += 1
             return None
-        if len(self.quarantine):
-            answers = [
-                ok and not self.quarantine.holds(key) for key, ok in zip(keys, answers, strict=True)
-            ]
+        held = self.quarantine.holding(keys)
+        answers = [ok and not out for ok, out in zip(answers, held, strict=True)]
         readable: list[list[bool]] = []
         position = 0
         for group, hashes in batches:
