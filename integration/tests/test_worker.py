@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -237,6 +237,57 @@ def test_ranks_holding_one_head_take_turns_putting_its_blocks(vllm_specs: Any) -
         assert _stored(store, key, size) == writer[index + 1].numpy().tobytes()
     state_keys = keys.keys(1, [ref.block_hash for ref in saves[4:]], [0, 1])
     assert store.batch_is_readable(state_keys) == [True] * 8
+
+
+class RecordingLoads(WholeBlocks):
+    """Whole blocks, keeping the order in which each step's loads were handed over."""
+
+    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+        self.loads = list(loads)
+        super().begin_step(loads, saves)
+
+
+def test_ranks_holding_one_head_start_reading_at_their_own_share_of_its_blocks(
+    vllm_specs: Any,
+) -> None:
+    """TP=2 with one KV head: rank 1 reads the head's objects from the middle of the
+    request's blocks on, rank 0 from the first; the state, one object per rank, is read in
+    order by both. Every block still lands where it belongs."""
+    config = groups(
+        vllm_specs,
+        (["model.layers.0.attn"], attention(vllm_specs, heads=1)),
+        (["model.layers.1.conv"], mamba(vllm_specs)),
+    )
+    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(2, 1)), "tiny")
+    store = MemoryStore()
+    caches = [_caches() for _ in range(2)]
+    caches[1]["model.layers.0.attn"].copy_(caches[0]["model.layers.0.attn"])  # one head
+    for rank_caches in caches:
+        rank_caches["model.layers.1.conv"].random_(-100, 100)
+    workers = []
+    for rank, rank_caches in enumerate(caches):
+        layouts = build_layouts(
+            keys, rank_caches, {"model.layers.0.attn": 0, "model.layers.1.conv": 1}, NUM_BLOCKS
+        )
+        engine = TransferEngine(store, layouts)
+        workers.append(WorkerSide(keys, engine, RecordingLoads(engine, CpuEvent), rank, CpuEvent))
+    saves = _refs([(group, index, index) for group in (0, 1) for index in range(4)])
+    for worker in workers:  # each puts its turns of the head's blocks, and its state
+        _step(worker, [RequestTransfers(request_id="a", saves=saves)])
+    expected = [{name: cache[:4].clone() for name, cache in c.items()} for c in caches]
+    loads = _refs([(group, index, 4 + index) for group in (0, 1) for index in range(4)])
+    order = []
+    for worker, rank_caches, rank_expected in zip(workers, caches, expected, strict=True):
+        _step(worker, [RequestTransfers(request_id="b", loads=loads)])
+        assert worker.take_load_errors() == set()
+        assert isinstance(worker.strategy, RecordingLoads)
+        order.append([(load.group, load.local_block) for load in worker.strategy.loads])
+        for name, cache in rank_caches.items():
+            assert torch.equal(cache[4:], rank_expected[name])
+        worker.close()
+    states = [(1, 4), (1, 5), (1, 6), (1, 7)]
+    assert order[0] == [(0, 4), (0, 5), (0, 6), (0, 7), *states]
+    assert order[1] == [(0, 6), (0, 7), (0, 4), (0, 5), *states]
 
 
 def test_after_a_reset_a_running_request_saves_its_blocks_under_new_keys(rig: Any) -> None:

@@ -158,7 +158,21 @@ class WorkerSide:
             transfers.append(BlockTransfer(key, ref.group, ref.block_id, request_id, owner_index))
             if writing and ref.stored is not None:
                 self._announce[key] = HeadStored(head, ref.stored, self._generation)
-        return transfers
+        return transfers if writing else self._spread(transfers)
+
+    def _spread(self, loads: list[BlockTransfer]) -> list[BlockTransfer]:
+        """Ranks holding one head read the same objects: each starts at its own share of
+        a group's blocks (vLLM's MooncakeStoreConnector rotates by rank likewise), so they
+        do not all ask the same holders for the same objects at once."""
+        by_group: dict[int, list[BlockTransfer]] = {}
+        for load in loads:
+            by_group.setdefault(load.group, []).append(load)
+        spread = []
+        for group, members in by_group.items():
+            replicas = self.keys.plan.groups[group].heads.replicas
+            shift = len(members) * (self.tp_rank % replicas) // replicas
+            spread.extend(members[shift:] + members[:shift])
+        return spread
 
     def _record_load(self, result: TransferResult, request_id: str | None = None) -> None:
         """Count a load and report its failures: a load before the forward by block ids
