@@ -70,23 +70,28 @@ def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
-def test_a_namespace_has_key_prefixes_of_its_own(vllm_specs: Any, hybrid: bool) -> None:
-    """A cache reset removes objects by key prefix: it must reach its own namespace only,
-    in the single-group format (no layout field) as in the hybrid one."""
-    kinds = [(["a"], attention(vllm_specs))] + ([(["m"], mamba(vllm_specs))] if hybrid else [])
+def test_a_namespace_and_a_key_format_have_key_prefixes_of_their_own(vllm_specs: Any) -> None:
+    """A cache reset removes objects by key prefix: it must reach its own namespace and
+    key format only (a single-group model's prefix also begins the model's hybrid keys)."""
+    attention_only = [(["a"], attention(vllm_specs))]
+    hybrid = [*attention_only, (["m"], mamba(vllm_specs))]
 
-    def space(namespace: str) -> KeySpace:
+    def space(kinds: list[Any], namespace: str) -> KeySpace:
         plan = plan_groups(groups(vllm_specs, *kinds), list(range(len(kinds))), SHAPE, namespace)
-        assert plan.hybrid == hybrid
+        assert plan.hybrid == (kinds is hybrid)
         return KeySpace(plan, "tiny", namespace)
 
-    spaces = {namespace: space(namespace) for namespace in ("", "a", "ab", "b~c")}
-    for namespace, keys in spaces.items():
-        own = [keys.keys(g, [b"\x01" * 32], [0])[0] for g in range(len(kinds))]
-        for other, other_keys in spaces.items():
+    spaces = {
+        (len(kinds), namespace): (space(kinds, namespace), len(kinds))
+        for kinds in (attention_only, hybrid)
+        for namespace in ("", "a", "ab", "b~c")
+    }
+    for name, (keys, count) in spaces.items():
+        hashes = [bytes([1]) * 32, bytes([255]) * 32]  # keys starting with 0 and f
+        own = [key for g in range(count) for key in keys.keys(g, hashes, [0])]
+        for other, (other_keys, _) in spaces.items():
             matches = [key.startswith(tuple(other_keys.prefixes())) for key in own]
-            assert all(matches) if other == namespace else not any(matches), (namespace, other)
+            assert all(matches) if other == name else not any(matches), (name, other)
 
 
 @pytest.mark.parametrize(

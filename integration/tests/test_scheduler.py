@@ -137,6 +137,39 @@ def test_a_recomputed_request_saves_the_blocks_past_its_new_hit(vllm_specs: Any)
     ]
 
 
+def test_a_prompt_given_as_embeddings_is_neither_looked_up_nor_saved(vllm_specs: Any) -> None:
+    """vLLM fills its token ids with 0: saved under their hashes, its KV would be what a
+    prompt of token 0 repeated loads."""
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    zeros = [0] * 100
+    embedded = request("e", zeros, prompt_embeds=object())
+    _store(side, pool, zeros, [0], 96)
+    assert side.num_new_matched_tokens(embedded, 0) == (0, False)
+    assert pool.queries == 0
+    table = ([1, 2, 3, 4],)
+    side.after_alloc(embedded, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("e", table, 0, 100)], tables={"e": table}))
+    assert meta.requests == []
+
+
+def test_saves_the_workers_left_out_after_a_failed_load_are_planned_again(
+    vllm_specs: Any,
+) -> None:
+    """Blocks 2-3 were computed over a failed load and not saved: planned again in the
+    next step that has them complete (vLLM rolled the request back to block 1 here)."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    r = request("r", TOKENS)
+    side.after_alloc(r, ([],), 0)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 0, 128)], tables={"r": table}))
+    assert [ref.index for ref in meta.requests[0].saves] == [0, 1, 2, 3]
+    side.loads_failed((), (), {("r", 0, 2), ("r", 0, 3), ("gone", 0, 1)})
+    meta = side.build_meta(scheduler_output(cached=[("r", 32, 32)], tables={"r": table}))
+    assert meta.requests == []  # vLLM recomputes block 1; blocks 2-3 are not complete yet
+    meta = side.build_meta(scheduler_output(cached=[("r", 64, 96)], tables={"r": table}))
+    assert [ref.index for ref in meta.requests[0].saves] == [2, 3, 4]
+
+
 def test_a_step_computing_nothing_is_marked_idle(vllm_specs: Any) -> None:
     side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     assert side.build_meta(scheduler_output()).idle
@@ -371,6 +404,27 @@ def test_a_resend_of_the_same_prompt_resumes_at_its_tail(vllm_specs: Any) -> Non
     assert side.num_new_matched_tokens(request("again", prompt), 0) == (176, False)
     # vLLM's own cache already holds 160 tokens: the pool adds the tail's 16.
     assert side.num_new_matched_tokens(request("again", prompt), 160) == (16, False)
+
+
+def test_a_tail_query_without_answer_keeps_the_aligned_hit_and_is_no_failed_lookup(
+    vllm_specs: Any,
+) -> None:
+    side, pool = _tail_side(vllm_specs)
+    prompt = TOKENS[:180]
+    _write_prompt(side, pool, prompt, [160, 176, 180])
+    side.take_stats()
+    answered = pool.query
+
+    def first_query_only(keys: Sequence[str]) -> list[bool] | None:
+        pool.down = pool.queries > 0
+        return answered(keys)
+
+    side._query = first_query_only
+    pool.queries = 0
+    assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
+    assert pool.queries == 2
+    stats = side.take_stats()
+    assert (stats["lookups"], stats["failed_lookups"]) == (1, 0)
 
 
 def test_a_tail_needs_every_group_s_partial_object(vllm_specs: Any) -> None:

@@ -315,6 +315,62 @@ def test_blocks_that_failed_to_load_are_quarantined_and_those_before_them_reused
     assert not later_totals.get("failed_load_blocks")
 
 
+@pytest.mark.parametrize("use_layerwise", [False, True])
+def test_blocks_computed_over_a_failed_load_reach_the_pool_only_once_recomputed(
+    use_layerwise: bool, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama loads its hit before the forward (or layer by layer in it). The read of
+    block 1 fails once: the step still computes blocks 3-4 over it (wrong KV, which vLLM
+    discards, rolling the request back to block 1), so they must not be saved then, only
+    once vLLM has recomputed them. A later request loading all six blocks from the pool
+    gives a cold run's output."""
+    import time
+
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hybridkv.integration.keying import RequestHashes
+    from hybridkv.integration.pool import process_memory_store
+    from hybridkv.transport import Status
+
+    namespace = f"computed-over-a-failed-load-{use_layerwise}"
+    extra = {
+        "store": "memory",
+        "namespace": namespace,
+        "failed_load_quarantine_s": 0.5,
+        "use_layerwise": use_layerwise,
+    }
+    store = process_memory_store()
+    llm = new_llm(model, extra, "recompute")
+    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
+    try:
+        cold = complete(llm, cache_salt="cold")  # keys of their own: computed, not loaded
+        assert cold[2] == 0
+        assert complete(llm, prompt_token_ids=PROMPT[:100])[2] == 0  # stores blocks 0-2
+        connector = get_kv_transfer_group()
+        hashes = RequestHashes(connector.plan, namespace, None)
+        hashes.cover(PROMPT, 96)
+        (block_1,) = connector.keys.keys(0, hashes.for_group(32)[1:2], [0])
+        for operation in ("batch_get_whole", "get_ranges"):
+            store.fail_next(operation, block_1.__eq__, Status.TRANSFER_FAILED)
+        connector.transfer_totals(reset=True)
+        assert llm.reset_prefix_cache()  # vLLM's own cache only: the pool answers
+        recomputed = complete(llm)
+        assert connector.transfer_totals(reset=True)["failed_load_blocks"] == 1
+        time.sleep(0.6)  # block 1's quarantine ends
+        assert llm.reset_prefix_cache()
+        reloaded = complete(llm)
+    finally:
+        store.clear_faults()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    _assert_shut_down(instance)
+    assert recomputed[:2] == cold[:2]
+    assert reloaded[2] == HIT
+    assert reloaded[:2] == cold[:2]
+
+
 def _check_pool_events(events: list[Any], saved_blocks: int) -> None:
     """Each block put in the pool is announced once, named as vLLM's GPU tier names that
     prefix (in some group: vLLM's sliding-window events may leave their hashes out)."""

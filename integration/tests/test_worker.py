@@ -332,6 +332,26 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
     assert worker.take_failed_keys() == set()
 
 
+def test_blocks_computed_over_a_failed_load_are_not_saved_but_handed_back(rig: Any) -> None:
+    """Block 1 is computed over block 0, whose load fails: saved, it would hold wrong KV
+    under its right key for good. The next step's saves go back too (vLLM, scheduling
+    ahead, planned it before it learnt of the failure); the one after saves again."""
+    worker, _, store = rig
+    first, second = _refs([(0, 1, 6)]), _refs([(0, 2, 7)])
+    failed_load = RequestTransfers(request_id="r", loads=_refs([(0, 0, 5)]), saves=first)
+    _step(worker, [failed_load])  # block 0 is not in the pool
+    assert worker.take_load_errors() == {5}
+    assert worker.take_unsaved() == {("r", 0, 1)}
+    _step(worker, [RequestTransfers(request_id="r", saves=second)])
+    assert worker.take_unsaved() == {("r", 0, 2)}
+    keys = _keys(worker, first + second)
+    assert store.batch_is_readable(keys) == [False, False]
+    assert worker.take_stored_events() == []
+    _step(worker, [RequestTransfers(request_id="r", saves=first + second)])
+    assert store.batch_is_readable(keys) == [True, True]
+    assert worker.take_unsaved() == set()
+
+
 def _background_loads_done(worker: WorkerSide) -> set[str]:
     """The requests whose background loads the worker reports done, within 5 s."""
     for _ in range(500):
@@ -362,8 +382,10 @@ def _keys(worker: WorkerSide, refs: list[BlockRef]) -> list[str]:
 
 def test_failed_keys_of_several_ranks_reach_the_scheduler_as_one_set() -> None:
     """vLLM aggregates the workers' metadata of a step; a rank with none sends None."""
-    merged = FailedLoads(frozenset({"a", "b"})).aggregate(FailedLoads(frozenset({"b", "c"})))
-    assert merged == FailedLoads(frozenset({"a", "b", "c"}))
+    merged = FailedLoads(frozenset({"a", "b"}), frozenset({("r", 0, 1)})).aggregate(
+        FailedLoads(frozenset({"b", "c"}), frozenset({("r", 0, 2)}))
+    )
+    assert merged == FailedLoads(frozenset({"a", "b", "c"}), frozenset({("r", 0, 1), ("r", 0, 2)}))
     with pytest.raises(TypeError, match="cannot aggregate FailedLoads"):
         FailedLoads(frozenset()).aggregate(object())  # type: ignore[arg-type]
 

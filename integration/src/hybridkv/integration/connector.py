@@ -237,9 +237,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.kv_connector_worker_meta
+        if not isinstance(failed, FailedLoads):
+            failed = FailedLoads()
         self.scheduler_side.loads_failed(
-            connector_output.failed_recving,
-            failed.keys if isinstance(failed, FailedLoads) else (),
+            connector_output.failed_recving, failed.keys, failed.unsaved
         )
         reports = connector_output.kv_cache_events
         if self._announcer is not None and isinstance(reports, StoredEvents):
@@ -393,7 +394,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         keys = self.worker_side.take_failed_keys()
-        return FailedLoads(frozenset(keys)) if keys else None
+        unsaved = self.worker_side.take_unsaved()
+        return FailedLoads(frozenset(keys), frozenset(unsaved)) if keys or unsaved else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         if not self._events_on or self._worker is None:

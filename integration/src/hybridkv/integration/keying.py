@@ -93,5 +93,12 @@ class KeySpace:
         return self._renderers[group].render_all(hashes, heads)
 
     def prefixes(self) -> list[str]:
-        """What every key of this model and layout starts with (one per group format)."""
-        return sorted({renderer.prefix for renderer in self._renderers})
+        """Key prefixes that match every key of this key space and no other's.
+
+        A single-group key's prefix (`{model}@`) also begins every hybrid key of that model
+        (`{model}@mooncake_hybrid_v1:...`), so it is narrowed by the first character of
+        the hash, which is lowercase hex where the hybrid tag is not."""
+        if self.plan.hybrid:
+            return sorted({renderer.prefix for renderer in self._renderers})
+        [renderer] = self._renderers
+        return [renderer.prefix + digit for digit in "0123456789abcdef"]

@@ -82,12 +82,15 @@ class HybridKVMetadata(KVConnectorMetadata):
 
 @dataclass(frozen=True)
 class FailedLoads(KVConnectorWorkerMetadata):
-    """Worker to scheduler: the keys whose reads failed in a step, on any TP rank (vLLM
-    aggregates the ranks'), for the scheduler to quarantine."""
+    """Worker to scheduler, on any TP rank (vLLM aggregates the ranks'): the keys whose
+    reads failed in a step, for the scheduler to quarantine, and the saves left out
+    because they computed over such a read, as (request id, plan group, block index),
+    for the scheduler to plan again."""
 
-    keys: frozenset[str]
+    keys: frozenset[str] = frozenset()
+    unsaved: frozenset[tuple[str, int, int]] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> FailedLoads:
         if not isinstance(other, FailedLoads):
             raise TypeError(f"cannot aggregate FailedLoads with {type(other).__name__}")
-        return FailedLoads(self.keys | other.keys)
+        return FailedLoads(self.keys | other.keys, self.unsaved | other.unsaved)

@@ -35,6 +35,12 @@ NULL_BLOCK_ID = 0
 Query = Callable[[Sequence[str]], "list[bool] | None"]
 
 
+def _has_token_ids(request: Any) -> bool:
+    """Whether the request's token ids are its prompt: vLLM fills the positions given as
+    prompt embeddings with token 0, so such a prompt's hashes would name other KV."""
+    return getattr(request, "prompt_embeds", None) is None
+
+
 @dataclass
 class _Tracked:
     """What the scheduler keeps per live request."""
@@ -91,7 +97,7 @@ class SchedulerSide:
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
         self.lookups = 0
-        self.failed_lookups = 0  # queries that got no answer: the pool counted as empty
+        self.failed_lookups = 0  # lookups whose query got no answer: counted as misses
         self.quarantined_keys = 0
         self.generation = 0
 
@@ -122,7 +128,7 @@ class SchedulerSide:
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
-        if not self._loads or getattr(request, "prompt_embeds", None) is not None:
+        if not self._loads or not _has_token_ids(request):
             return 0, False  # a consumer told not to load, or no token ids to hash
         max_tokens = request.num_tokens - 1
         top = self.coordinator.max_boundary(max_tokens)
@@ -157,6 +163,7 @@ class SchedulerSide:
         self.lookups += 1
         answers = self._every_head_readable(batches)
         if answers is None:
+            self.failed_lookups += 1
             return None
         readable = [
             [(b + 1) * plan.block_size <= local for b in range(len(mask[g]))]
@@ -202,7 +209,6 @@ class SchedulerSide:
             keys.extend(self.keys.keys(group, hashes, self.plan.groups[group].heads.heads))
         answers = self._query(keys) if keys else []
         if answers is None:
-            self.failed_lookups += 1
             return None
         held = self.quarantine.holding(keys)
         answers = [ok and not out for ok, out in zip(answers, held, strict=True)]
@@ -219,6 +225,8 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, block_ids: Sequence[list[int]], external: int) -> None:
         """Turn the pending hit into per-block loads once vLLM has placed the blocks."""
+        if not _has_token_ids(request):
+            return  # never saved: its token ids are placeholders that other prompts share
         tracked = self._track(request)
         pending = self._pending.pop(request.request_id, None)
         if pending is None or external == 0:
@@ -382,12 +390,24 @@ class SchedulerSide:
                 saves.append(BlockRef(group, block, ids[block], tail_hash, tail=done))
         return saves
 
-    def loads_failed(self, request_ids: Iterable[str], keys: Iterable[str]) -> None:
+    def loads_failed(
+        self,
+        request_ids: Iterable[str],
+        keys: Iterable[str],
+        unsaved: Iterable[tuple[str, int, int]] = (),
+    ) -> None:
         """Pool reads failed: `keys`, whose objects count as absent while quarantined,
         and `request_ids`, background loads that vLLM now computes from their first token
         (vLLM's `failed_recving`). Such a request is tracked afresh when vLLM asks for it
         again: its hit stops before the first failed block, and the blocks it computes
-        past that hit are saved."""
+        past that hit are saved. `unsaved` (request id, plan group, block index): saves
+        the workers left out because their step computed over a failed read; they are
+        planned again, once vLLM has recomputed them (it rolls back the requests that
+        read a failed block) or at once (the others' blocks are intact)."""
+        for request_id, group, index in unsaved:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                tracked.scanned[group] = min(tracked.scanned[group], index)
         keys = list(keys)
         if keys:
             logger.warning(

@@ -54,7 +54,11 @@ class TransferStrategy(Protocol):
     """One step's transfers, driven by vLLM's connector calls (see the module doc)."""
 
     def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
-        """Before the forward: the loads it needs, the saves it completes."""
+        """Before the forward: the loads it needs, the saves it completes.
+
+        Once a load failed, no layer computed after it is saved: a block the step
+        completes was computed over the failed one (or over a block sharing it) and holds
+        wrong KV. Layers computed before the failure was known did not read it."""
 
     def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
         """Run each copy once the loads of its layers landed and before they compute."""
@@ -91,8 +95,10 @@ class WholeBlocks:
         self._saves: list[BlockTransfer] = []
 
     def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
-        self._saves = list(saves)
+        self._saves = []
         self._loaded = self.engine.load(loads).wait() if loads else TransferResult()
+        if not any(self._loaded.failed_blocks.values()):
+            self._saves = list(saves)
 
     def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
         for job in copies:  # begin_step already waited for every load

@@ -231,9 +231,13 @@ class LayerwiseStrategy:
             self._submit_through(state, layer)
 
     def _submit_through(self, state: _StepState, layer: int) -> None:
-        """Submit every unsubmitted layer up to `layer`, all gated on one fresh event."""
+        """Submit every unsubmitted layer up to `layer`, all gated on one fresh event.
+
+        Once a get failed, nothing more is submitted: those layers computed over blocks
+        without valid KV, and a group missing layers is dropped when the step finishes.
+        """
         due = [pending for pending in state.unsubmitted if pending <= layer]
-        if not due:
+        if not due or any(state.failed_loads.values()):
             return
         event = self._new_event()
         event.record()

@@ -127,7 +127,11 @@ class WorkerSide:
         # Waits for issued saves, with the events of the blocks each one stores and how
         # many blocks it puts.
         self._saves: list[tuple[Callable[[], TransferResult], dict[str, HeadStored], int]] = []
-        self._step_saves = 0
+        self._step_saves: list[BlockTransfer] = []
+        # Saves left out because their step computed over a failed load, as (request id,
+        # plan group, block index), for the scheduler to plan again.
+        self._unsaved: set[tuple[str, int, int]] = set()
+        self._after_failed_load = False
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
@@ -231,8 +235,14 @@ class WorkerSide:
             else:
                 sync.extend(loads)
             saves.extend(self._transfers(request.request_id, request.saves, writing=True))
+        if self._after_failed_load:
+            # vLLM may have scheduled this step before it learnt of the failed load (async
+            # scheduling): requests it rolls back compute over the failed blocks again.
+            self._after_failed_load = False
+            self._leave_unsaved(saves)
+            saves = []
         self._count(loaded_blocks=loaded_blocks, saved_blocks=len(saves))
-        self._step_saves = len(saves)
+        self._step_saves = saves
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
             fence = self._new_event()
@@ -247,6 +257,7 @@ class WorkerSide:
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             self._record_load(all_failed(sync))
+            self._after_failed_load = True
 
     def _state_copy_jobs(self, copies: Sequence[StateCopy]) -> list[StateCopyJob]:
         assert self._copy_block is not None
@@ -265,13 +276,33 @@ class WorkerSide:
             self._async_loads[request_id] = (self.engine.load(transfers), transfers)
 
     def end_step(self) -> None:
-        """vLLM's `wait_for_save`: settle this step's loads, keep its saves to wait for."""
+        """vLLM's `wait_for_save`: settle this step's loads, keep its saves to wait for.
+
+        A step whose loads failed computed over blocks without valid KV, and so did every
+        block it completed after them: the strategy saves none of those (see
+        `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
+        has recomputed them."""
         end: StepEnd = self.strategy.end_step()
         announce, self._announce = self._announce, {}
+        saves, self._step_saves = self._step_saves, []
         self._record_load(end.loads)
+        if any(end.loads.failed_blocks.values()):
+            self._after_failed_load = True
+        if self._after_failed_load:
+            self._leave_unsaved(saves)
+            announce = {}  # what committed before the failure is announced when saved again
         if end.saves is not None:
-            self._saves.append((end.saves, announce, self._step_saves))
+            self._saves.append((end.saves, announce, len(saves)))
         self._count(**self.strategy.take_stats())
+
+    def _leave_unsaved(self, saves: Iterable[BlockTransfer]) -> None:
+        """Hand saves that computed over a failed load back to the scheduler (a prompt
+        tail, owned under a negative index, is not planned again: it is lost)."""
+        self._unsaved.update(
+            (save.request_id, save.group, save.block_index)
+            for save in saves
+            if save.block_index >= 0
+        )
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Async loads that completed (their failures already reported: see `_record_load`)."""
@@ -318,6 +349,12 @@ class WorkerSide:
         """Keys whose reads failed since the last call."""
         keys, self._failed_keys = self._failed_keys, set()
         return keys
+
+    def take_unsaved(self) -> set[tuple[str, int, int]]:
+        """(request id, plan group, block index) of saves left out since the last call
+        because their step computed over a failed load."""
+        unsaved, self._unsaved = self._unsaved, set()
+        return unsaved
 
     def close(self) -> None:
         self.strategy.close()
