@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from _engine_drive import (
     PER_LAYER_OR_IN_PLACE,
@@ -295,6 +296,43 @@ def test_a_device_error_reaches_the_caller_and_revokes_the_step() -> None:
     # objects were complete and committed.
     assert store.batch_is_readable([t.key for t in saves]) == [True, True, False, False, True]
     assert_clean(store, outstanding)
+
+
+def test_finish_again_after_an_error_raises_the_same_error() -> None:
+    caches = Caches(num_blocks=8, seed=17)
+    with engine_for(MemoryStore(), caches, "layer") as engine:
+        step = engine.begin_layerwise(saves=transfers(BLOCKS, prefix=unique_prefix()))
+        step.save_layer(0, BrokenEvent())
+        with pytest.raises(RuntimeError, match="device lost") as first:
+            step.finish()
+        with pytest.raises(RuntimeError, match="device lost") as again:
+            step.finish()
+        assert again.value is first.value
+
+
+def test_a_staged_step_whose_start_raises_never_scatters_its_unfetched_slabs() -> None:
+    """Group 0 moves in place: the start waits for the caches to be writable, and that
+    wait fails after the other groups' slabs were handed out but before any fetch."""
+    target = Caches(num_blocks=8, seed=24, block_major=(0,))
+    target.fill()
+    before = {place: array.copy() for place, array in target.arrays.items()}
+    loads = transfers(BLOCKS, prefix=unique_prefix())
+    with engine_for(MemoryStore(), target, "staged", prefetch_layers=0) as reader:
+        step = reader.begin_layerwise(loads=loads, ready=BrokenEvent())
+        with pytest.raises(RuntimeError, match="device lost"):
+            step.wait_layer_loaded(0)
+        # The caches are writable now: the later layers' scatters would run.
+        with pytest.raises(RuntimeError, match="device lost"):
+            step.wait_layer_loaded(NUM_LAYERS - 1, ready=CpuEvent())
+        with pytest.raises(RuntimeError, match="device lost"):
+            step.finish()
+        assert step._load_outcome.failed_blocks() == {
+            group: set(blocks) for group, blocks in BLOCKS.items()
+        }
+        assert reader.staging is not None
+        assert reader.staging.in_use == 0
+    for place, array in target.arrays.items():
+        assert np.array_equal(array, before[place]), place
 
 
 class CrashingGetStore(MemoryStore):

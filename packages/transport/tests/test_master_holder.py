@@ -151,6 +151,17 @@ def test_holder_without_a_master_fails_with_its_log(tmp_path: Path) -> None:
         SegmentHolder.start(f"127.0.0.1:{free_port()}", "16MB", log_path=log, timeout_s=30)
 
 
+def test_a_ready_line_left_in_a_reused_log_does_not_start_a_failing_holder(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "holder.log"
+    log.write_text("populated 0 B\nready\n")  # an earlier holder's output
+    with pytest.raises(StoreUnavailable, match="does not accept connections") as failed:
+        SegmentHolder.start(f"127.0.0.1:{free_port()}", "16MB", log_path=log, timeout_s=30).stop()
+    assert "populated 0 B" not in str(failed.value)  # the error quotes this holder's lines
+    assert log.read_text().startswith("populated 0 B\nready\n")  # appended, not replaced
+
+
 def test_a_second_process_reads_what_a_finished_writer_stored(
     start_mooncake_master: StartMaster, start_segment_holder: StartHolder
 ) -> None:

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
-from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.ownership import BlockTransfer, Claim
 from hybridkv.transport.pipeline import Granularity, PipelineOptions, PoolPressure
+from hybridkv.transport.sessions import Writes
 
 LAYERS = 12
 BLOCK = 256
@@ -318,6 +320,60 @@ def test_close_drains_every_queued_transfer_and_stops_its_threads(memory: np.nda
     assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
     with pytest.raises(RuntimeError, match="closed"):
         engine.save(saves(1, prefix))
+
+
+def record_settles(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The first written key of each save, in the order its writes settle."""
+    settled: list[str] = []
+    settle = engine._settle
+
+    def recording(claim: Claim, writes: Writes) -> None:
+        settled.append(claim.write[0].key)
+        settle(claim, writes)
+
+    monkeypatch.setattr(engine, "_settle", recording)
+    return settled
+
+
+def test_close_finishes_open_steps_in_the_order_they_began(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's saves may ride on an earlier step's writes: that one must end first."""
+    engine = TransferEngine(MemoryStore(), [deep_layout(memory)], PipelineOptions())
+    settled = record_settles(engine, monkeypatch)
+    keys = [f"step-{i}" for i in range(16)]
+    for i, key in enumerate(keys):
+        engine.begin_layerwise(saves=[BlockTransfer(key, 0, i, key, 0)])
+    engine.close()
+    assert settled == keys
+
+
+def test_concurrent_finishes_of_a_step_settle_it_once_and_share_its_result(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`close()` while the model thread is inside `finish()`: one set of end jobs."""
+    engine = TransferEngine(
+        MemoryStore(), [deep_layout(memory)], PipelineOptions(granularity="layer")
+    )
+    settled = record_settles(engine, monkeypatch)
+    step = engine.begin_layerwise(saves=saves(1, unique_prefix()))
+    gate = GateEvent()
+    step.save_layer(0, gate)
+    results: list[object] = []
+    finisher = threading.Thread(target=lambda: results.append(step.finish()))
+    closer = threading.Thread(target=engine.close)
+    finisher.start()
+    time.sleep(0.2)  # both wait for the gated layer
+    closer.start()
+    time.sleep(0.2)
+    gate.fire()
+    finisher.join(timeout=10)
+    closer.join(timeout=10)
+    assert not finisher.is_alive()
+    assert not closer.is_alive()
+    assert len(settled) == 1
+    assert engine.outstanding("save") == 0
+    assert step.finish() is results[0]
 
 
 @pytest.mark.parametrize("block_major", [False, True], ids=["per-layer", "block-major"])

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from _engine_drive import MODES, engine_for, load, read_object, save, unique_prefix
 from _engine_model import NUM_LAYERS, Caches, transfers
 
+from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
 
 
@@ -29,6 +34,18 @@ def test_block_zero_of_each_group_is_its_own_object(store: Store, mode: str) -> 
         assert read_object(store, transfer.key, layout.object_size) == caches.block_bytes(
             transfer.group, transfer.local_block
         )
+
+
+def test_released_requests_are_not_kept_for_a_poll_that_never_comes() -> None:
+    """vLLM's worker waits on tickets and never polls: released ids must not pile up."""
+    caches = Caches(num_blocks=4, seed=5)
+    caches.fill()
+    prefix = unique_prefix()
+    with engine_for(MemoryStore(), caches, "staged") as engine:
+        assert engine.save(transfers({0: [0]}, "a", prefix)).wait(timeout=10).ok
+        assert engine.load(transfers({0: [1]}, "b", prefix)).wait(timeout=10).ok
+        engine.release(["a", "b"])
+        assert engine.poll_finished() == (set(), set())
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -103,6 +120,56 @@ def test_an_owner_cannot_change_its_key_until_every_owner_is_released() -> None:
         engine.release_all()  # after a cache reset every block hashes anew
         assert engine.save([BlockTransfer("y", 0, 1, "r", 0)]).wait(timeout=10).ok
         assert engine.owned_blocks("r")[(0, 0)].key == "y"
+
+
+def test_a_batch_refused_for_a_changed_key_claims_none_of_its_keys() -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=8)
+    caches.fill()
+    with engine_for(store, caches, "whole") as engine:
+        assert engine.save([BlockTransfer("x", 0, 0, "r", 0)]).wait(timeout=10).ok
+        refused = [BlockTransfer("c", 0, 1, "r", 1), BlockTransfer("y", 0, 2, "r", 0)]
+        with pytest.raises(ValueError, match="already owns key 'x'"):
+            engine.save(refused)
+        assert engine.outstanding("save") == 0
+        # "c" was not left marked as being written: a later save of it writes it.
+        assert engine.save([BlockTransfer("c", 0, 3, "other", 0)]).wait(timeout=10).ok
+        assert sorted(engine.owned_blocks("r")) == [(0, 0)]
+    assert "c" in store.committed_objects()
+
+
+def test_one_owner_with_two_keys_in_one_batch_is_refused_before_either_is_claimed() -> None:
+    caches = Caches(num_blocks=8)
+    with engine_for(MemoryStore(), caches, "whole") as engine:
+        with pytest.raises(ValueError, match="already owns key 'a'"):
+            engine.save([BlockTransfer("a", 0, 0, "r", 0), BlockTransfer("b", 0, 1, "r", 0)])
+        assert engine.owned_blocks("r") == {}
+        assert engine.save([BlockTransfer("b", 0, 1, "r", 0)]).wait(timeout=10).ok
+
+
+def test_a_rider_finished_before_its_writer_step_ends_that_step_and_carries_its_fate() -> None:
+    store = MemoryStore()
+    caches = Caches(num_blocks=4)
+    caches.fill()
+    engine = TransferEngine(store, caches.layouts, PipelineOptions(granularity="layer"))
+    writer = engine.begin_layerwise(saves=[BlockTransfer("K", 0, 0, "A", 0)])
+    writer.save_layer(0, CpuEvent())  # group 0 also needs layer 2: it never comes
+    rider = engine.begin_layerwise(saves=[BlockTransfer("K", 0, 1, "B", 0)])
+    results: list[TransferResult] = []
+    finisher = threading.Thread(target=lambda: results.append(rider.finish()), daemon=True)
+    finisher.start()
+    finisher.join(timeout=10)
+    assert not finisher.is_alive(), "the rider's finish() waits for a step nobody ends"
+    assert results[0].failed_keys == ["K"]
+    assert results[0].failed_blocks == {0: {1}}  # the rider's own local block
+    with pytest.raises(RuntimeError, match="ended"):
+        writer.save_layer(2, CpuEvent())
+    assert writer.finish().failed_keys == ["K"]  # the unsaved group was dropped
+    engine.close()
+    assert engine.poll_finished()[0] == {"A", "B"}
+    assert engine.outstanding("save") == 0
+    assert store.open_put_sessions() == set()
+    assert store.batch_is_readable(["K"]) == [False]
 
 
 @pytest.mark.parametrize("mode", ["layer", "group"])

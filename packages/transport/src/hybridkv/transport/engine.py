@@ -124,7 +124,7 @@ class TransferEngine:
         self._tracker = RequestTracker()
         self._lock = threading.Lock()
         self._closed = False
-        self._steps: set[LayerwiseStep] = set()
+        self._steps: dict[LayerwiseStep, None] = {}  # open steps, in the order they began
         self._sender = Worker("hybridkv-send")
         self._receiver = Worker("hybridkv-receive")
 
@@ -190,11 +190,11 @@ class TransferEngine:
         Loads write the caches only after `ready` (earlier work on the compute stream, e.g.
         vLLM zeroing new blocks); `wait_layer_loaded(layer, ready)` moves that point on.
         """
-        self._check(loads)
-        self._check(saves)
-        step = LayerwiseStep(self, loads, saves, ready)
-        with self._lock:
-            self._steps.add(step)
+        with self._lock:  # a step is listed in the order of its claims (see `finish`)
+            self._check(loads)
+            self._check(saves)
+            step = LayerwiseStep(self, loads, saves, ready)
+            self._steps[step] = None
         return step
 
     # -- queries and lifecycle --------------------------------------------------------
@@ -215,15 +215,18 @@ class TransferEngine:
         return self._ownership.owned(request_id)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        """Forget what finished requests own (call when vLLM frees them)."""
+        """Forget what finished requests own (call when vLLM frees them), and their
+        completion if `poll_finished` has not reported it yet."""
         self._ownership.release(request_ids)
+        self._tracker.forget(request_ids)
 
     def release_all(self) -> None:
         """Forget what every request owns: after a reset their blocks get new keys."""
         self._ownership.release_all()
 
     def close(self) -> None:
-        """Finish open steps, run every queued transfer, stop both threads."""
+        """Finish open steps in the order they began, run every queued transfer, stop both
+        threads."""
         with self._lock:
             if self._closed:
                 return
@@ -327,9 +330,16 @@ class TransferEngine:
                     rider.transfer.group, transfer.key, rider.transfer.local_block, committed
                 )
 
+    def _end_steps_before(self, step: LayerwiseStep) -> None:
+        """End every step still open that began before `step`: any write it rides on."""
+        with self._lock:
+            steps = list(self._steps)
+        for earlier in steps[: steps.index(step)] if step in steps else []:
+            earlier._end()
+
     def _forget_step(self, step: LayerwiseStep) -> None:
         with self._lock:
-            self._steps.discard(step)
+            self._steps.pop(step, None)
 
 
 class LayerwiseStep:
@@ -338,6 +348,10 @@ class LayerwiseStep:
     Call `wait_layer_loaded(L)` before layer L reads its KV, `save_layer(L, event)` after
     layer L wrote it (event recorded on its stream), `checkpoint()` at attention
     boundaries, and `finish()` once the step is over.
+
+    The step ends (its end jobs are queued) once: at its first `finish()`, or at the
+    `finish()` of a later step still riding on an open step's writes; then `save_layer`
+    raises.
     """
 
     def __init__(
@@ -374,7 +388,9 @@ class LayerwiseStep:
         self._deferred: list[tuple[int, Event]] = []
         self._read_jobs: list[Job] = []
         self._jobs: list[Job] = []
-        self._finished: TransferResult | None = None
+        self._lock = threading.Lock()  # the end jobs are queued once, after every other job
+        self._ended = False
+        self._result: TransferResult | None = None
         engine._tracker.begin("load", _requests(loads))
         if self._reads.batches:
             self._jobs.append(engine._receiver.submit(self._reads.start))
@@ -391,7 +407,8 @@ class LayerwiseStep:
         if ready is not None:
             self._reads.ready = ready
         needed = bisect.bisect_right(self._reads.layers, layer)
-        self._schedule_reads(needed + self._engine.options.prefetch_layers)
+        with self._lock:
+            self._schedule_reads(needed + self._engine.options.prefetch_layers)
         if needed:
             self._jobs[0].wait()  # the session start
             self._read_jobs[needed - 1].wait()  # FIFO: every earlier read is done too
@@ -405,6 +422,7 @@ class LayerwiseStep:
         event and counts it written, so a step of one-piece objects wakes that thread once
         per group instead of once per layer.
         """
+        self._check_open()
         if layer in self._saved:
             raise ValueError(f"layer {layer} was already saved in this step")
         self._saved.add(layer)
@@ -429,7 +447,9 @@ class LayerwiseStep:
                 backlog.release()
 
         try:
-            self._jobs.append(self._engine._sender.submit(work))
+            with self._lock:
+                self._check_open()
+                self._jobs.append(self._engine._sender.submit(work))
         except BaseException:
             backlog.release()
             raise
@@ -442,11 +462,39 @@ class LayerwiseStep:
                 raise job.error
 
     def finish(self) -> TransferResult:
-        """Complete every load, commit or revoke every save, then report (or raise)."""
-        if self._finished is not None:
-            return self._finished
+        """Complete every load, commit or revoke every save, then report (or raise).
+
+        Safe to call again or from another thread (`close()`): every call waits for the
+        same end jobs and returns the same result or raises the same error. Saves still
+        riding once this step's jobs ran ride on a write of a step begun earlier and still
+        open, whose end jobs only its own `finish()` would queue: every step begun before
+        this one is ended then (groups they have not saved yet are dropped). In order
+        (vLLM's one step at a time) none is open and nothing changes.
+        """
         engine = self._engine
-        self._schedule_reads(len(self._reads.layers))
+        jobs = self._end()
+        errors = []
+        for job in jobs:
+            try:
+                job.wait()
+            except BaseException as exc:
+                errors.append(exc)
+        if self._save_outcome.riding:
+            engine._end_steps_before(self)
+        self._save_outcome.wait_riders()
+        engine._forget_step(self)
+        with self._lock:
+            if self._result is None:
+                self._result = self._load_outcome.result().merged(self._save_outcome.result())
+            result = self._result
+        if errors:
+            raise errors[0]
+        return result
+
+    def _end(self) -> list[Job]:
+        """Queue the end jobs (finish every load, commit or revoke every save) once;
+        returns every job of the step."""
+        engine = self._engine
 
         def end_reads() -> None:
             try:
@@ -462,25 +510,21 @@ class LayerwiseStep:
                 self._writes.unstage()
                 engine._settle(self._claim, self._writes)
 
-        self._jobs.append(engine._receiver.submit(end_reads))
-        self._jobs.append(engine._sender.submit(end_writes))
-        errors = []
-        for job in self._jobs:
-            try:
-                job.wait()
-            except BaseException as exc:
-                errors.append(exc)
-        try:
-            self._save_outcome.wait_riders()
-        except BaseException as exc:
-            errors.append(exc)
-        engine._forget_step(self)
-        self._finished = self._load_outcome.result().merged(self._save_outcome.result())
-        if errors:
-            raise errors[0]
-        return self._finished
+        with self._lock:
+            if not self._ended:
+                self._ended = True
+                self._schedule_reads(len(self._reads.layers))
+                self._jobs.append(engine._receiver.submit(end_reads))
+                self._jobs.append(engine._sender.submit(end_writes))
+            return list(self._jobs)
+
+    def _check_open(self) -> None:
+        if self._ended:
+            raise RuntimeError("the layerwise step has ended: finish() was called")
 
     def _schedule_reads(self, count: int) -> None:
+        """Queue the read jobs of the first `count` layers; callers hold `self._lock` or
+        run before the step is shared (its end schedules every layer)."""
         layers = self._reads.layers
         while len(self._read_jobs) < min(count, len(layers)):
             layer = layers[len(self._read_jobs)]

@@ -118,6 +118,7 @@ class ChildProcess:
             log_path = Path(raw_path)
         self.log_path = log_path
         with open(log_path, "ab") as log:
+            self.log_start = log.tell()  # a reused log: what this child writes comes after
             self._popen = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, preexec_fn=_parent_death_signal(),
@@ -132,12 +133,17 @@ class ChildProcess:
     def running(self) -> bool:
         return self._popen.poll() is None
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_text(self) -> str:
+        """What this child wrote to its log (a reused log's earlier lines left out)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_start)
+                return log.read().decode(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def wait_until(self, condition: Callable[[], bool], what: str, timeout_s: float) -> None:
         """Poll `condition`; stop the child and raise if it exits or time runs out first."""

@@ -74,19 +74,19 @@ class Ownership:
         self._riders: dict[str, list[Rider]] = {}  # key being written -> saves waiting on it
 
     def claim(self, transfers: Sequence[BlockTransfer], outcome: RideOutcome) -> Claim:
-        """Split saves; riders are registered to learn the fate of the write into `outcome`."""
+        """Split saves; riders are registered to learn the fate of the write into `outcome`.
+
+        A batch naming another key for an owner is refused before anything is claimed:
+        a half-claimed batch would leave keys marked as being written with no job to settle
+        them, and every later save of those keys would ride on nothing forever.
+        """
         write: list[BlockTransfer] = []
         ride: list[BlockTransfer] = []
         done: list[BlockTransfer] = []
         with self._lock:
+            self._check_keys(transfers)
             for transfer in transfers:
                 owned = self._owned.get(transfer.owner)
-                if owned is not None and owned.key != transfer.key:
-                    raise ValueError(
-                        f"request {transfer.request_id!r} group {transfer.group} block "
-                        f"{transfer.block_index} already owns key {owned.key!r}, "
-                        f"not {transfer.key!r}"
-                    )
                 if owned is not None and owned.committed:
                     owned.local_block = transfer.local_block
                     done.append(transfer)
@@ -104,6 +104,18 @@ class Ownership:
                     write.append(transfer)
             outcome.ride(len(ride))
         return Claim(write=write, ride=ride, done=done)
+
+    def _check_keys(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Each owner keeps one key, within the batch too (held: `self._lock`)."""
+        keys: dict[OwnerId, str] = {}
+        for transfer in transfers:
+            owned = self._owned.get(transfer.owner)
+            key = keys.setdefault(transfer.owner, transfer.key if owned is None else owned.key)
+            if key != transfer.key:
+                raise ValueError(
+                    f"request {transfer.request_id!r} group {transfer.group} block "
+                    f"{transfer.block_index} already owns key {key!r}, not {transfer.key!r}"
+                )
 
     def settle(self, key: str, committed: bool) -> list[Rider]:
         """Record the fate of a write; returns the saves that rode on it.
@@ -176,6 +188,13 @@ class RequestTracker:
     def outstanding(self, direction: Direction) -> int:
         with self._lock:
             return sum(self._pending[direction].values())
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop finished requests not polled yet: an engine whose caller never polls
+        (it waits on tickets instead) must not keep every request id it ever saw."""
+        with self._lock:
+            for finished in self._finished.values():
+                finished.difference_update(request_ids)
 
     def poll(self) -> tuple[set[str], set[str]]:
         with self._lock:

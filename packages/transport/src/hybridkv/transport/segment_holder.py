@@ -44,13 +44,9 @@ class SegmentHolder(ServiceProcess):
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": hostname, "PYTHONUNBUFFERED": "1"}
         env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         child = ChildProcess("segment-holder", argv, env, log_path)
-        child.wait_until(lambda: _printed_ready(child.log_path), "ready", timeout_s)
+        child.wait_until(
+            lambda: any(line.strip() == READY_LINE for line in child.log_text().splitlines()),
+            "ready",
+            timeout_s,
+        )
         return cls(child, master_address, size_bytes)
-
-
-def _printed_ready(log_path: Path) -> bool:
-    try:
-        with open(log_path, errors="replace") as log:
-            return any(line.strip() == READY_LINE for line in log)
-    except OSError:
-        return False

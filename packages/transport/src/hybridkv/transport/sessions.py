@@ -969,6 +969,15 @@ class LayerwiseStagedReads(StagedReads):
         return {layer for batch in self.batches.values() for layer in batch.layout.layers}
 
     def start(self) -> None:
+        """Fetch in the background; if starting raises, every block fails: no fetch fills
+        the slabs, and later layers must not scatter them into the caches."""
+        try:
+            self._start()
+        except BaseException:
+            self.fail_all(self.batches.values())
+            raise
+
+    def _start(self) -> None:
         assert self.pool is not None
         self.stage()
         if not all(batch.fully_staged() for batch in self.batches.values()):
