@@ -12,6 +12,8 @@ from hybridkv.coordinator import (
     FullAttention,
     RecurrentState,
     SlidingWindow,
+    marked_blocks,
+    scatter_readable,
 )
 
 T, F = True, False
@@ -218,3 +220,29 @@ def test_bad_calls_are_refused_by_name() -> None:
         coord.tail_hit(96)
     with pytest.raises(ValueError, match="tokens must be a non-negative int"):
         coord.is_tail_boundary(-1)
+
+
+@pytest.mark.parametrize("answer", [-1, 1, 0, None, "yes"])
+def test_a_store_answer_that_is_not_a_bool_is_refused_not_counted_readable(
+    answer: object,
+) -> None:
+    mask = Coordinator([FullAttention(16), RecurrentState(16)]).lookup_mask(63)
+    answers = [True] * len(marked_blocks(mask))
+    answers[2] = answer  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match=rf"answers must hold bools, got {answer!r} at index 2"):
+        scatter_readable(mask, answers)
+
+
+@pytest.mark.parametrize("answer", [-1, 1, 0, None])
+def test_a_readable_callable_must_answer_true_or_false(answer: object) -> None:
+    coord = Coordinator([FullAttention(16)])
+    message = rf"readable\(0, 2\) must return True or False, got {answer}"
+    with pytest.raises(ValueError, match=message):
+        coord.find_hit(63, lambda group, block: block < 2 or answer)  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("column", [[T, T, 1, T], "", b""])
+def test_a_readable_column_must_be_a_sequence_of_bools(column: Any) -> None:
+    coord = Coordinator([FullAttention(16), RecurrentState(16)])
+    with pytest.raises(ValueError, match=r"readable\[1\] must "):
+        coord.find_hit(63, [[T] * 4, column])

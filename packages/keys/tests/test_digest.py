@@ -82,6 +82,12 @@ def test_non_json_signature_is_a_type_error(signature: object) -> None:
         layout_digest(1, [(["a"], signature)])
 
 
+def test_a_signature_with_a_non_str_dict_key_is_refused_not_merged_with_the_str_key() -> None:
+    with pytest.raises(TypeError, match=r"groups\[0\] signature\['page'\]: dict key 1 \(int\)"):
+        layout_digest(1, [(["a"], {"page": {1: 16}})])
+    assert layout_digest(1, [(["a"], {"page": {"1": 16}})])
+
+
 @pytest.mark.parametrize(
     ("tp_size", "groups", "namespace", "error", "match"),
     [

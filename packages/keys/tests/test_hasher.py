@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from hybridkv.keys import BlockHasher
 
 TOKENS = st.integers(0, 2**32 - 1)
-EXTRAS = st.none() | st.text(max_size=8) | st.lists(st.integers() | st.text(max_size=4))
+_SCALARS = st.integers() | st.text(max_size=4)
+EXTRAS = (
+    st.none()
+    | st.text(max_size=8)
+    | st.lists(_SCALARS)
+    | st.dictionaries(st.text(max_size=4), _SCALARS | st.lists(_SCALARS, max_size=3), max_size=3)
+)
 
 
 def reference_hashes(
@@ -135,6 +141,40 @@ def test_extra_dict_key_order_does_not_matter() -> None:
     assert first.hashes == second.hashes
 
 
+def test_an_extra_with_a_non_str_dict_key_is_refused_not_merged_with_the_str_key() -> None:
+    hasher = BlockHasher(2, "ns")
+    hasher.extend([1, 2], extra={"1": "x"})
+    with pytest.raises(TypeError, match=r"dict key 1 \(int\) is not a str"):
+        hasher.extend([3, 4], extra={1: "x"})
+    with pytest.raises(TypeError, match=r"dict key True \(bool\)"):
+        hasher.partial_hash(3, [1, 2, 3], extra={True: "x"})
+    assert hasher.num_tokens == 2
+
+
+def test_a_tuple_extra_is_the_same_json_array_as_a_list() -> None:
+    as_tuple = BlockHasher(2, "ns")
+    as_tuple.extend([1, 2], extra={"mm": ("f1", 2)})
+    as_list = BlockHasher(2, "ns")
+    as_list.extend([1, 2], extra={"mm": ["f1", 2]})
+    assert as_tuple.hashes == as_list.hashes
+
+
+def test_a_circular_extra_is_refused_as_not_json() -> None:
+    looped: list[object] = []
+    looped.append(looped)
+    with pytest.raises(ValueError, match="Circular"):
+        BlockHasher(2, "ns").extend([1, 2], extra={"mm": looped})
+
+
+def test_token_ids_from_a_memoryview_are_read_one_element_per_token() -> None:
+    from_view = BlockHasher(2, "ns")
+    from_view.extend(memoryview(bytes([1, 2, 3, 4])))
+    from_list = BlockHasher(2, "ns")
+    from_list.extend([1, 2, 3, 4])
+    assert from_view.hashes == from_list.hashes
+    assert from_view.num_tokens == 4
+
+
 @pytest.mark.parametrize(("left", "right"), [((4, "a"), (4, "b")), ((4, ""), (2, ""))])
 def test_namespace_and_block_size_separate_the_chains(
     left: tuple[int, str], right: tuple[int, str]
@@ -219,6 +259,10 @@ def test_constructor_rejects(block_size: object, namespace: object, error: type)
         ([1.5], None, TypeError, "float"),
         ([1, 2], object(), TypeError, "extra"),
         ([1, 2], {1, 2}, TypeError, "extra"),
+        ([1, 2], {1: "x"}, TypeError, r"extra: dict key 1 \(int\) is not a str"),
+        ([1, 2], {"mm": [{None: "x"}]}, TypeError, r"extra\['mm'\]\[0\]: dict key None"),
+        (bytes([1, 2, 3, 4]), None, TypeError, "token_ids must be ints, got bytes"),
+        (bytearray([1, 2, 3, 4]), None, TypeError, "token_ids must be ints, got bytearray"),
     ],
 )
 def test_bad_input_is_rejected_and_leaves_the_state_alone(

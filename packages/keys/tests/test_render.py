@@ -43,6 +43,13 @@ def test_single_group_bulk_rendering_equals_the_keys(
         assert renderer.render(hashes[-1], heads[-1]) == expected[-1]
 
 
+def test_bulk_rendering_reads_iterators_and_generators_once() -> None:
+    renderer = KeyRenderer.single_group("m")
+    expected = ["m@01@0", "m@01@1", "m@02@0", "m@02@1"]
+    assert renderer.render_all([b"\x01", b"\x02"], iter([0, 1])) == expected
+    assert renderer.render_all((h for h in [b"\x01", b"\x02"]), range(2)) == expected
+
+
 def test_prefix() -> None:
     renderer = KeyRenderer.hybrid("m", "abc", 2, 64, pp_rank=1)
     assert renderer.prefix == "m@mooncake_hybrid_v1:abc@pp_rank:1@group:2@block:64@"

@@ -15,7 +15,7 @@ from itertools import islice
 from typing import Protocol, TypeAlias
 
 from hybridkv.coordinator._kinds import GroupKind
-from hybridkv.coordinator._readable import Masks
+from hybridkv.coordinator._readable import Masks, require_bools
 
 #: Per group, block-indexed readability (indices past the end are unreadable), or
 #: `readable(group, block) -> bool`.
@@ -63,7 +63,13 @@ class _CallableColumn:
         for block in range(first, stop):
             answer = self._answers.get(block)
             if answer is None:
-                answer = self._answers[block] = bool(self._readable(self._group, block))
+                answer = self._readable(self._group, block)
+                if type(answer) is not bool:
+                    raise ValueError(
+                        f"readable({self._group}, {block}) must return True or False, "
+                        f"got {answer!r}"
+                    )
+                self._answers[block] = answer
             if not answer:
                 return block
         return None
@@ -286,11 +292,13 @@ class Coordinator:
             raise ValueError(f"readable has {len(readable)} entries for {len(self._groups)} groups")
         columns: list[_Column] = []
         for group, (kind, given) in enumerate(zip(self._groups, readable, strict=True)):
+            if isinstance(given, (str, bytes, bytearray)):
+                raise ValueError(
+                    f"readable[{group}] must be a sequence of bools, got a {type(given).__name__}"
+                )
             length = top // kind.block_size + self._eagle[group] if top else 0
             values = list(islice(given, length))
-            # Counted in C: anything neither True- nor False-equal (None, "x") is refused.
-            if values.count(True) + values.count(False) != len(values):
-                raise ValueError(f"readable[{group}] must hold bools")
+            require_bools(f"readable[{group}]", values)
             values.extend([False] * (length - len(values)))
             columns.append(_ListColumn(values))
         return columns

@@ -31,5 +31,14 @@ def scatter_readable(masks: Masks, answers: Sequence[bool]) -> Masks:
     expected = sum(sum(mask) for mask in masks)
     if len(answers) != expected:
         raise ValueError(f"scatter_readable: {len(answers)} answers for {expected} marked blocks")
+    require_bools("scatter_readable: answers", answers)
     flat = iter(answers)
-    return tuple(tuple(bool(next(flat)) if marked else False for marked in mask) for mask in masks)
+    return tuple(tuple(next(flat) if marked else False for marked in mask) for mask in masks)
+
+
+def require_bools(name: str, values: Sequence[object]) -> None:
+    """Refuses anything but True and False: a store's error code (-1) is truthy, not readable."""
+    if set(map(type, values)) <= {bool}:  # checked in C: columns run to thousands of blocks
+        return
+    index, value = next((i, v) for i, v in enumerate(values) if type(v) is not bool)
+    raise ValueError(f"{name} must hold bools, got {value!r} at index {index}")

@@ -13,6 +13,8 @@ import hashlib
 import json
 from collections.abc import Iterable
 
+from ._json_keys import refuse_coerced_keys
+
 
 def layout_digest(
     tp_size: int,
@@ -37,6 +39,7 @@ def layout_digest(
         names = list(layer_names)
         if not all(isinstance(name, str) for name in names):
             raise TypeError(f"groups[{index}]: every layer name must be a str: {names!r}")
+        refuse_coerced_keys(signature, f"groups[{index}] signature")
         described.append((sorted(names), signature))
     payload = (tp_size, described) if namespace is None else (namespace, tp_size, described)
     try:

@@ -9,9 +9,11 @@ found by any other. The hash of block ``i`` is
 where ``H_{-1} = sha256(b"hybridkv-block-hash-v1\\0" || block_size as 8 bytes little-endian
 || namespace as UTF-8)``, ``T_i`` is the block's token ids as 4-byte little-endian unsigned
 integers and ``X_i`` is empty without an extra, else ``sha256`` of the extra as compact JSON
-with sorted keys. Every field has a fixed length or comes last, so no two inputs share an
-encoding. Hashing a block is one C call on bytes cut from one buffer converted once per
-call, which is what makes pure Python fast enough for long prompts.
+with sorted keys. Dict keys must be str (JSON would make ``{1: x}`` and ``{"1": x}`` one
+extra); tuples encode as lists, the same JSON array. Every field has a fixed length or
+comes last, so no two inputs share an encoding. Hashing a block is one C call on bytes cut
+from one buffer converted once per call, which is what makes pure Python fast enough for
+long prompts.
 
 A prefix that ends inside a block (``n`` tokens, ``n`` not a multiple of the block size,
 ``k = n // block_size`` full blocks before it) has the partial hash
@@ -30,6 +32,8 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
+from ._json_keys import refuse_coerced_keys
+
 _SEED_TAG = b"hybridkv-block-hash-v1\0"
 _PARTIAL_TAG = b"hybridkv-partial-hash-v1\0"
 _TOKEN_BYTES = 4
@@ -38,6 +42,12 @@ _TOKEN_TYPECODE = next(code for code in "IL" if array.array(code).itemsize == _T
 
 
 def _token_bytes(token_ids: Iterable[int]) -> bytes:
+    # array.array would take bytes/bytearray as raw machine words (4 bytes -> one token).
+    if isinstance(token_ids, (bytes, bytearray)):
+        raise TypeError(
+            f"token_ids must be ints, got {type(token_ids).__name__}: its raw bytes are not "
+            "token ids (pass list(...) to mean one token per byte)"
+        )
     try:
         tokens = array.array(_TOKEN_TYPECODE, token_ids)
     except OverflowError as exc:
@@ -50,6 +60,7 @@ def _token_bytes(token_ids: Iterable[int]) -> bytes:
 def _extra_bytes(extra: object) -> bytes:
     if extra is None:
         return b""
+    refuse_coerced_keys(extra, "extra")
     try:
         text = json.dumps(extra, sort_keys=True, separators=(",", ":"))
     except TypeError as exc:

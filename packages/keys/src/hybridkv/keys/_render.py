@@ -9,7 +9,7 @@ The strings are exactly ``str()`` of the matching BlockKey/HybridKey.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from ._keys import BlockKey, HybridKey, KeyFormatError, check_head
 
@@ -51,8 +51,11 @@ class KeyRenderer:
         """The key of one block stored by ``head``."""
         return self.render_all((block_hash,), (head,))[0]
 
-    def render_all(self, block_hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
+    def render_all(self, block_hashes: Iterable[bytes], heads: Iterable[int]) -> list[str]:
         """Keys of every block for every head: block-major, ``heads`` order within a block."""
+        # Both are read twice (checked, then rendered): an iterator would be spent by the check.
+        block_hashes = tuple(block_hashes)
+        heads = tuple(heads)
         for head in heads:
             check_head(head)
         if not all(block_hashes):
