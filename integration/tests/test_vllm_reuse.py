@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +257,32 @@ def test_a_failed_load_is_recomputed_by_vllm(
     assert warm[:2] == cold[:2]  # recomputed, not read from half-loaded blocks
 
 
+class FaultyPool:
+    """An engine recomputing failed loads, over the process's in-memory store (where
+    tests inject faults)."""
+
+    def __init__(self, model: Path, extra: dict[str, Any]) -> None:
+        from hybridkv.integration.pool import process_memory_store
+
+        self.store = process_memory_store()
+        self.llm: Any = new_llm(model, extra, "recompute")
+
+
+@contextmanager
+def _faulty_pool(model: Path, extra: dict[str, Any]) -> Iterator[FaultyPool]:
+    """On exit: faults cleared, the engine shut down and nothing of the connector left."""
+    rig = FaultyPool(model, extra)
+    instance = f"{rig.llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
+    try:
+        yield rig
+    finally:
+        rig.store.clear_faults()
+        rig.llm.llm_engine.engine_core.shutdown()
+        rig.llm = None
+        gc.collect()
+    _assert_shut_down(instance)
+
+
 @pytest.mark.parametrize("name", ["llama", "lfm2"])
 def test_blocks_that_failed_to_load_are_quarantined_and_those_before_them_reused(
     name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
@@ -269,14 +297,11 @@ def test_blocks_that_failed_to_load_are_quarantined_and_those_before_them_reused
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from hybridkv.integration.keying import RequestHashes
-    from hybridkv.integration.pool import process_memory_store
     from hybridkv.transport import Status
 
     namespace = f"quarantine-{name}"
-    store = process_memory_store()
-    llm = new_llm(model, {"store": "memory", "namespace": namespace}, "recompute")
-    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
-    try:
+    with _faulty_pool(model, {"store": "memory", "namespace": namespace}) as rig:
+        llm, store = rig.llm, rig.store
         cold = complete(llm)
         connector = get_kv_transfer_group()
         hashes = RequestHashes(connector.plan, namespace, None)
@@ -299,12 +324,7 @@ def test_blocks_that_failed_to_load_are_quarantined_and_those_before_them_reused
         for _ in range(2):
             assert llm.reset_prefix_cache()  # vLLM's own cache only: the pool answers
             runs.append((complete(llm), connector.transfer_totals(reset=True)))
-    finally:
-        store.clear_faults()
-        llm.llm_engine.engine_core.shutdown()
         del llm
-        gc.collect()
-    _assert_shut_down(instance)
     (first_run, first_totals), (later_run, later_totals) = runs
     assert first_totals["failed_load_blocks"] > 0
     assert first_run[:2] == later_run[:2] == cold[:2]
@@ -330,7 +350,6 @@ def test_blocks_computed_over_a_failed_load_reach_the_pool_only_once_recomputed(
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from hybridkv.integration.keying import RequestHashes
-    from hybridkv.integration.pool import process_memory_store
     from hybridkv.transport import Status
 
     namespace = f"computed-over-a-failed-load-{use_layerwise}"
@@ -340,10 +359,8 @@ def test_blocks_computed_over_a_failed_load_reach_the_pool_only_once_recomputed(
         "failed_load_quarantine_s": 0.5,
         "use_layerwise": use_layerwise,
     }
-    store = process_memory_store()
-    llm = new_llm(model, extra, "recompute")
-    instance = f"{llm.llm_engine.vllm_config.kv_transfer_config.engine_id}-dp0"
-    try:
+    with _faulty_pool(model, extra) as rig:
+        llm, store = rig.llm, rig.store
         cold = complete(llm, cache_salt="cold")  # keys of their own: computed, not loaded
         assert cold[2] == 0
         assert complete(llm, prompt_token_ids=PROMPT[:100])[2] == 0  # stores blocks 0-2
@@ -360,12 +377,7 @@ def test_blocks_computed_over_a_failed_load_reach_the_pool_only_once_recomputed(
         time.sleep(0.6)  # block 1's quarantine ends
         assert llm.reset_prefix_cache()
         reloaded = complete(llm)
-    finally:
-        store.clear_faults()
-        llm.llm_engine.engine_core.shutdown()
         del llm
-        gc.collect()
-    _assert_shut_down(instance)
     assert recomputed[:2] == cold[:2]
     assert reloaded[2] == HIT
     assert reloaded[:2] == cold[:2]

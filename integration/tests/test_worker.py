@@ -207,16 +207,21 @@ def test_save_then_load_round_trips_bytes(rig: Any) -> None:
     assert stats.data["saved_blocks"] == 3
 
 
-def test_ranks_holding_one_head_take_turns_putting_its_blocks(vllm_specs: Any) -> None:
-    """TP=2 with one KV head: both ranks hold it and split its puts block by block (here
-    their copies differ, to see whose bytes each object holds); the state vLLM shards over
-    the ranks is one object per rank, each put by its own rank."""
+def _one_head_at_tp2(vllm_specs: Any) -> KeySpace:
+    """Keys of an attention layer with one KV head and a Mamba layer, at TP=2."""
     config = groups(
         vllm_specs,
         (["model.layers.0.attn"], attention(vllm_specs, heads=1)),
         (["model.layers.1.conv"], mamba(vllm_specs)),
     )
-    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(2, 1)), "tiny")
+    return KeySpace(plan_groups(config, [0, 1], ModelShape(2, 1)), "tiny")
+
+
+def test_ranks_holding_one_head_take_turns_putting_its_blocks(vllm_specs: Any) -> None:
+    """TP=2 with one KV head: both ranks hold it and split its puts block by block (here
+    their copies differ, to see whose bytes each object holds); the state vLLM shards over
+    the ranks is one object per rank, each put by its own rank."""
+    keys = _one_head_at_tp2(vllm_specs)
     store = MemoryStore()
     saves = _refs([(group, index, index + 1) for group in (0, 1) for index in range(4)])
     caches = [_caches() for _ in range(2)]
@@ -253,12 +258,7 @@ def test_ranks_holding_one_head_start_reading_at_their_own_share_of_its_blocks(
     """TP=2 with one KV head: rank 1 reads the head's objects from the middle of the
     request's blocks on, rank 0 from the first; the state, one object per rank, is read in
     order by both. Every block still lands where it belongs."""
-    config = groups(
-        vllm_specs,
-        (["model.layers.0.attn"], attention(vllm_specs, heads=1)),
-        (["model.layers.1.conv"], mamba(vllm_specs)),
-    )
-    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(2, 1)), "tiny")
+    keys = _one_head_at_tp2(vllm_specs)
     store = MemoryStore()
     caches = [_caches() for _ in range(2)]
     caches[1]["model.layers.0.attn"].copy_(caches[0]["model.layers.0.attn"])  # one head
