@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from layerwise_rig import ATTENTION, MIXER, NUM_BLOCKS, GatedStore, Rig, wait_until
 
-from hybridkv.transport import PipelineOptions, StoreUnavailable
+from hybridkv.transport import PipelineOptions, Status, StoreUnavailable
 
 BLOCKS = [1, 3]
 
@@ -269,6 +269,44 @@ def test_failed_gets_are_reported_as_local_blocks_for_recompute() -> None:
         assert result.failed_blocks[0] == set(BLOCKS)
     finally:
         rig.close()
+
+
+def test_layers_computed_after_a_failed_get_are_not_saved_those_before_are() -> None:
+    """Group 0 (layer 0) is computed and committed before layer 1's get fails; layer 1,
+    computed over the failed block, is not saved, so group 1 is dropped, not committed
+    with wrong KV. (No prefetch: layer 1's get runs, and fails, only once it is due.)"""
+    two_layers = {0: (16, (0,)), 1: (16, (1,))}
+    rig = Rig(
+        groups=two_layers,
+        reporters=dict(zip(ATTENTION[:2], (0, 1), strict=True)),
+        options=PipelineOptions(granularity="layer", prefetch_layers=0),
+    )
+    try:
+        rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS, tag="old"))
+        run_layers(rig, BLOCKS, value=1)
+        assert rig.strategy.wait_for_save() is not None
+        rig.engine.release(["req-1"])  # the writer finished; the reader is a new request
+        failing = Status.TRANSFER_FAILED  # twice: a failed ranged read is retried once
+        rig.store.fail_next("get_ranges", lambda key: "group:1" in key, failing, calls=2)
+        rig.strategy.begin_step(
+            loads=rig.transfers(BLOCKS, tag="old"), saves=rig.transfers([4, 5], tag="new")
+        )
+        run_layers(rig, [4, 5], value=7)
+        result = rig.strategy.wait_for_save()
+        assert result is not None
+        assert result.failed_blocks == {1: {*BLOCKS, 4, 5}}  # the gets, and the dropped puts
+        assert rig.readable(0, [4, 5], tag="new")
+        assert not rig.readable(1, [4, 5], tag="new")
+    finally:
+        rig.close()
+
+
+def run_layers(rig: Rig, blocks: list[int], value: int) -> None:
+    """Layers 0-1 through attention windows (a two-layer rig)."""
+    for layer, name in enumerate(ATTENTION[:2]):
+        rig.fill(layer, blocks, value + layer)
+        with rig.strategy.window(name):
+            pass
 
 
 def test_kernel_error_tears_the_step_down_and_propagates(rig: Rig) -> None:
