@@ -222,7 +222,7 @@ def test_bad_calls_are_refused_by_name() -> None:
         coord.is_tail_boundary(-1)
 
 
-@pytest.mark.parametrize("answer", [-1, 1, 0, None, "yes"])
+@pytest.mark.parametrize("answer", [-1, 2, None, "yes"])
 def test_a_store_answer_that_is_not_a_bool_is_refused_not_counted_readable(
     answer: object,
 ) -> None:
@@ -233,7 +233,7 @@ def test_a_store_answer_that_is_not_a_bool_is_refused_not_counted_readable(
         scatter_readable(mask, answers)
 
 
-@pytest.mark.parametrize("answer", [-1, 1, 0, None])
+@pytest.mark.parametrize("answer", [-1, 2, None])
 def test_a_readable_callable_must_answer_true_or_false(answer: object) -> None:
     coord = Coordinator([FullAttention(16)])
     message = rf"readable\(0, 2\) must return True or False, got {answer}"
@@ -241,8 +241,17 @@ def test_a_readable_callable_must_answer_true_or_false(answer: object) -> None:
         coord.find_hit(63, lambda group, block: block < 2 or answer)  # type: ignore[arg-type,return-value]
 
 
-@pytest.mark.parametrize("column", [[T, T, 1, T], "", b""])
+@pytest.mark.parametrize("column", [[T, T, 2, T], [T, None], "", b""])
 def test_a_readable_column_must_be_a_sequence_of_bools(column: Any) -> None:
     coord = Coordinator([FullAttention(16), RecurrentState(16)])
     with pytest.raises(ValueError, match=r"readable\[1\] must "):
         coord.find_hit(63, [[T] * 4, column])
+
+
+def test_one_and_zero_answer_as_true_and_false() -> None:
+    """A store's 1/0 existence answers mean what True/False do (its -1 is refused above)."""
+    coord = Coordinator([FullAttention(16), RecurrentState(16)])
+    mask = coord.lookup_mask(63)
+    flat = [1] * len(marked_blocks(mask))
+    assert scatter_readable(mask, flat) == scatter_readable(mask, [True] * len(flat))
+    assert coord.find_hit(63, lambda group, block: 1).tokens == 48

@@ -64,12 +64,12 @@ class _CallableColumn:
             answer = self._answers.get(block)
             if answer is None:
                 answer = self._readable(self._group, block)
-                if type(answer) is not bool:
+                if answer != True and answer != False:  # noqa: E712 (1 and 0 equal them)
                     raise ValueError(
                         f"readable({self._group}, {block}) must return True or False, "
                         f"got {answer!r}"
                     )
-                self._answers[block] = answer
+                answer = self._answers[block] = bool(answer)
             if not answer:
                 return block
         return None

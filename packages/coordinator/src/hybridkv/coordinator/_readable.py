@@ -33,12 +33,15 @@ def scatter_readable(masks: Masks, answers: Sequence[bool]) -> Masks:
         raise ValueError(f"scatter_readable: {len(answers)} answers for {expected} marked blocks")
     require_bools("scatter_readable: answers", answers)
     flat = iter(answers)
-    return tuple(tuple(next(flat) if marked else False for marked in mask) for mask in masks)
+    return tuple(tuple(bool(next(flat)) if marked else False for marked in mask) for mask in masks)
 
 
 def require_bools(name: str, values: Sequence[object]) -> None:
-    """Refuses anything but True and False: a store's error code (-1) is truthy, not readable."""
-    if set(map(type, values)) <= {bool}:  # checked in C: columns run to thousands of blocks
+    """Refuses anything but True and False (1 and 0 equal them): a store's error code (-1)
+    is truthy, not readable."""
+    if not isinstance(values, (list, tuple)):
+        values = list(values)
+    if values.count(True) + values.count(False) == len(values):  # counted in C
         return
-    index, value = next((i, v) for i, v in enumerate(values) if type(v) is not bool)
+    index, value = next((i, v) for i, v in enumerate(values) if v != True and v != False)  # noqa: E712
     raise ValueError(f"{name} must hold bools, got {value!r} at index {index}")
