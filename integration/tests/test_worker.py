@@ -537,15 +537,23 @@ class CrashingStore(MemoryStore):
 
 
 def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs: Any) -> None:
+    """The step's saves, computed over the loads that raised, are handed back unsaved."""
     keys, caches, layouts = _model(vllm_specs)
-    engine = TransferEngine(CrashingStore(), layouts)
+    store = CrashingStore()
+    engine = TransferEngine(store, layouts)
     worker = WorkerSide(
         keys, engine, _layerwise(engine), 0, CpuEvent, block_copier(caches, NUM_BLOCKS)
     )
     load = RequestTransfers(
-        request_id="b", loads=_refs([(1, 1, 7)]), copies=[StateCopy(group=1, src=7, dst=6)]
+        request_id="b",
+        loads=_refs([(1, 1, 7)]),
+        copies=[StateCopy(group=1, src=7, dst=6)],
+        saves=_refs([(0, 2, 3)]),
     )
     worker.begin_step(HybridKVMetadata([load]))  # logged, not raised into vLLM
     worker.end_step()
+    worker.barrier()
     assert worker.take_load_errors() == {7}
+    assert worker.take_unsaved() == {("b", 0, 2)}
+    assert store.batch_is_readable(_keys(worker, load.saves)) == [False]
     worker.close()

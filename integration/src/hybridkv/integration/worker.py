@@ -257,7 +257,8 @@ class WorkerSide:
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             self._record_load(all_failed(sync))
-            self._after_failed_load = True
+            if sync:  # the forward runs over blocks that were not loaded
+                self._after_failed_load = True
 
     def _state_copy_jobs(self, copies: Sequence[StateCopy]) -> list[StateCopyJob]:
         assert self._copy_block is not None
