@@ -301,6 +301,22 @@ def test_layers_computed_after_a_failed_get_are_not_saved_those_before_are() -> 
         rig.close()
 
 
+@pytest.mark.parametrize("keep_saves", [True, False])
+def test_held_saves_go_out_at_the_step_end_only_if_kept(keep_saves: bool) -> None:
+    """At TP>1 a step that loads holds its puts until the ranks agreed no load failed."""
+    rig = Rig()
+    try:
+        rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS), hold_saves=True)
+        run_forward(rig, BLOCKS, value=2)
+        # Unheld, group 0 (layers 0 and 2) would commit during the forward.
+        assert not wait_until(lambda: rig.readable(0, BLOCKS), timeout=0.3)
+        result = rig.strategy.wait_for_save(keep_saves)
+        assert result is not None
+        assert all(rig.readable(group, BLOCKS) == keep_saves for group in (0, 1, 2))
+    finally:
+        rig.close()
+
+
 def run_layers(rig: Rig, blocks: list[int], value: int) -> None:
     """Layers 0-1 through attention windows (a two-layer rig)."""
     for layer, name in enumerate(ATTENTION[:2]):

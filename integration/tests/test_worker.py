@@ -247,9 +247,14 @@ def test_ranks_holding_one_head_take_turns_putting_its_blocks(vllm_specs: Any) -
 class RecordingLoads(WholeBlocks):
     """Whole blocks, keeping the order in which each step's loads were handed over."""
 
-    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+    def begin_step(
+        self,
+        loads: Sequence[BlockTransfer],
+        saves: Sequence[BlockTransfer],
+        hold_saves: bool = False,
+    ) -> None:
         self.loads = list(loads)
-        super().begin_step(loads, saves)
+        super().begin_step(loads, saves, hold_saves)
 
 
 def test_ranks_holding_one_head_start_reading_at_their_own_share_of_its_blocks(
@@ -350,6 +355,30 @@ def test_blocks_computed_over_a_failed_load_are_not_saved_but_handed_back(rig: A
     _step(worker, [RequestTransfers(request_id="r", saves=first + second)])
     assert store.batch_is_readable(keys) == [True, True]
     assert worker.take_unsaved() == set()
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_saves_of_a_step_that_loads_wait_for_every_rank_s_loads(rig: Any, elsewhere: bool) -> None:
+    """TP>1: another rank's failed block reaches this rank's KV through the model's
+    all-reduces, so the ranks agree at the step end whether a load failed anywhere; this
+    rank's load succeeded, its saves go out only if no other rank's failed."""
+    worker, _, store = rig
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1)]))])
+    asked: list[bool] = []
+
+    def any_rank(flag: bool) -> bool:
+        asked.append(flag)
+        return flag or elsewhere
+
+    ranked = WorkerSide(worker.keys, worker.engine, worker.strategy, 0, CpuEvent, None, any_rank)
+    saves = _refs([(0, 1, 6)])
+    _step(ranked, [RequestTransfers(request_id="r", loads=_refs([(0, 0, 5)]), saves=saves)])
+    assert asked == [False]  # once per step that loads, with this rank's own outcome
+    assert ranked.take_load_errors() == set()
+    assert store.batch_is_readable(_keys(ranked, saves)) == [not elsewhere]
+    assert ranked.take_unsaved() == ({("r", 0, 1)} if elsewhere else set())
+    _step(ranked, [RequestTransfers(request_id="r", saves=_refs([(0, 2, 7)]))])
+    assert asked == [False]  # a step without loads needs no agreement
 
 
 def _background_loads_done(worker: WorkerSide) -> set[str]:
@@ -475,8 +504,8 @@ class _RaisingSaves:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def end_step(self) -> StepEnd:
-        end: StepEnd = self._inner.end_step()
+    def end_step(self, keep_saves: bool = True) -> StepEnd:
+        end: StepEnd = self._inner.end_step(keep_saves)
         settle = end.saves
 
         def broken() -> TransferResult:

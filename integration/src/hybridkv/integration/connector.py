@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +126,20 @@ def _instance_id(vllm_config: VllmConfig) -> str:
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None
     return f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_rank}"
+
+
+def _any_rank(tp_group: Any) -> Callable[[bool], bool]:
+    """Whether a flag is set on any rank of vLLM's TP group (one MAX all-reduce over its
+    CPU group; every rank calls it together)."""
+
+    def any_rank(flag: bool) -> bool:
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        torch.distributed.all_reduce(
+            value, op=torch.distributed.ReduceOp.MAX, group=tp_group.cpu_group
+        )
+        return bool(value.item())
+
+    return any_rank
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -329,6 +343,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank,
             lambda: make_event(device),
             block_copier(kv_caches, self._kv_cache_config.num_blocks),
+            _any_rank(tp_group) if tp_group.world_size > 1 else None,
         )
         if tp_rank == 0:
             self._server = LookupServer(

@@ -96,6 +96,7 @@ class VllmLayerwise:
         self._object_sizes = dict(object_sizes or {})
         self._hooks_fire = hooks_fire
         self._loads: list[BlockTransfer] = []
+        self._loads_raised = False
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
@@ -118,11 +119,17 @@ class VllmLayerwise:
         self._hook_handles.clear()
         self._hooked.clear()
 
-    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+    def begin_step(
+        self,
+        loads: Sequence[BlockTransfer],
+        saves: Sequence[BlockTransfer],
+        hold_saves: bool = False,
+    ) -> None:
         self._open_windows.clear()
         self._state_copies.clear()
         self._loads = list(loads)
-        self.strategy.begin_step(loads, saves)
+        self._loads_raised = False
+        self.strategy.begin_step(loads, saves, hold_saves)
         if loads and not self._hooks_fire and self._plan.state:
             self.strategy.wait_for_layer_load(max(self._plan.state, key=self.strategy.layer_of))
 
@@ -160,14 +167,29 @@ class VllmLayerwise:
         elif layer_name in self._plan.after_kernel and not self.strategy.has_reported(layer_name):
             self.strategy.post_compute_save(layer_name)  # no window ran for it this step
 
-    def end_step(self) -> StepEnd:
+    def discard_saves(self) -> None:
+        self.strategy.taint()
+
+    def finish_loads(self) -> bool:
+        """Wait for every get of the step (an error is logged, and reported at `end_step`
+        as every load failing)."""
+        try:
+            return any(self.strategy.wait_all_loads().values())
+        except Exception:
+            log.exception("hybridkv: layerwise step failed; its loads are recomputed")
+            self._loads_raised = True
+            return True
+
+    def end_step(self, keep_saves: bool = True) -> StepEnd:
         """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
         self._state_copies.clear()
         loads, self._loads = self._loads, []
+        if self._loads_raised:
+            return StepEnd(all_failed(loads))  # the step was drained when they raised
         try:
             failed = self.strategy.wait_all_loads()
-            result = self.strategy.wait_for_save()
+            result = self.strategy.wait_for_save(keep_saves)
         except Exception:
             log.exception("hybridkv: layerwise step failed; its loads are recomputed")
             return StepEnd(all_failed(loads))

@@ -53,12 +53,22 @@ class StateCopyJob:
 class TransferStrategy(Protocol):
     """One step's transfers, driven by vLLM's connector calls (see the module doc)."""
 
-    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
+    def begin_step(
+        self,
+        loads: Sequence[BlockTransfer],
+        saves: Sequence[BlockTransfer],
+        hold_saves: bool = False,
+    ) -> None:
         """Before the forward: the loads it needs, the saves it completes.
 
         Once a load failed, no layer computed after it is saved: a block the step
         completes was computed over the failed one (or over a block sharing it) and holds
-        wrong KV. Layers computed before the failure was known did not read it."""
+        wrong KV. Layers computed before the failure was known did not read it.
+        `hold_saves`: save nothing before `end_step` decides (another TP rank's failed
+        load reaches this rank's KV through the model's all-reduces)."""
+
+    def discard_saves(self) -> None:
+        """The step's loads are lost (they raised): save nothing it computes."""
 
     def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
         """Run each copy once the loads of its layers landed and before they compute."""
@@ -67,8 +77,12 @@ class TransferStrategy(Protocol):
 
     def save_layer(self, layer_name: str) -> None: ...
 
-    def end_step(self) -> StepEnd:
-        """After the forward (vLLM's `wait_for_save`)."""
+    def finish_loads(self) -> bool:
+        """After the forward: wait for the step's loads; whether any failed."""
+
+    def end_step(self, keep_saves: bool = True) -> StepEnd:
+        """After `finish_loads` (vLLM's `wait_for_save`); `keep_saves=False`: a load failed
+        on some rank, save nothing more."""
 
     def take_stats(self) -> dict[str, float]:
         """Mode-specific counters since the last call (summed into the connector stats)."""
@@ -94,11 +108,18 @@ class WholeBlocks:
         self._loaded = TransferResult()
         self._saves: list[BlockTransfer] = []
 
-    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
-        self._saves = []
+    def begin_step(
+        self,
+        loads: Sequence[BlockTransfer],
+        saves: Sequence[BlockTransfer],
+        hold_saves: bool = False,
+    ) -> None:
+        self._saves = list(saves)  # held anyway: they go out at `end_step`
+        self._loaded = TransferResult()
         self._loaded = self.engine.load(loads).wait() if loads else TransferResult()
-        if not any(self._loaded.failed_blocks.values()):
-            self._saves = list(saves)
+
+    def discard_saves(self) -> None:
+        self._saves = []
 
     def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
         for job in copies:  # begin_step already waited for every load
@@ -110,10 +131,13 @@ class WholeBlocks:
     def save_layer(self, layer_name: str) -> None:
         return None
 
-    def end_step(self) -> StepEnd:
+    def finish_loads(self) -> bool:
+        return any(self._loaded.failed_blocks.values())
+
+    def end_step(self, keep_saves: bool = True) -> StepEnd:
         loaded, self._loaded = self._loaded, TransferResult()
         saves, self._saves = self._saves, []
-        if not saves:
+        if not saves or not keep_saves:
             return StepEnd(loaded)
         ready = self._new_event()
         ready.record()  # the forward's cache writes

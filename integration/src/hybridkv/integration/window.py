@@ -70,6 +70,8 @@ class _StepState:
     loaded: set[int] = field(default_factory=set)
     reported: set[str] = field(default_factory=set)
     failed_loads: dict[int, set[int]] = field(default_factory=dict)  # group -> local blocks
+    hold: bool = False  # submit no put before the step end decides
+    tainted: bool = False  # the loads are lost: submit no put at all
 
 
 class LayerwiseStrategy:
@@ -119,15 +121,21 @@ class LayerwiseStrategy:
                 f"{name!r} is not a layer that reports to the layerwise strategy"
             ) from None
 
-    def begin_step(self, loads: Sequence[BlockTransfer], saves: Sequence[BlockTransfer]) -> None:
-        """Open this forward's step (when the worker binds the step's metadata)."""
+    def begin_step(
+        self,
+        loads: Sequence[BlockTransfer],
+        saves: Sequence[BlockTransfer],
+        hold_saves: bool = False,
+    ) -> None:
+        """Open this forward's step (when the worker binds the step's metadata);
+        `hold_saves`: every put waits for `wait_for_save` (see `TransferStrategy`)."""
         if self._state is not None:
             self.abort()  # the previous forward died before wait_for_save
         unreported: dict[int, set[str]] = {layer: set() for layer in self._layers}
         for name, layer in self._reporters.items():
             unreported[layer].add(name)
         step = self._engine.begin_layerwise(loads, saves)
-        self._state = _StepState(step, unreported, list(self._layers))
+        self._state = _StepState(step, unreported, list(self._layers), hold=hold_saves)
 
     def wait_for_layer_load(self, name: str) -> None:
         """Return once this layer's gets are in the cache (vLLM calls this before attention)."""
@@ -189,11 +197,19 @@ class LayerwiseStrategy:
         self._report(name)
         self.checkpoint()
 
-    def wait_for_save(self) -> TransferResult | None:
-        """End the step: submit what is left, wait for every queued put (and get)."""
+    def taint(self) -> None:
+        """The open step's loads are lost: no put of it is submitted from now on."""
+        if self._state is not None:
+            self._state.tainted = True
+
+    def wait_for_save(self, keep_saves: bool = True) -> TransferResult | None:
+        """End the step: submit what is left (`keep_saves=False`: nothing, a load failed
+        on some rank), wait for every queued put (and get)."""
         state = self._state
         if state is None:
             return None
+        state.hold = False
+        state.tainted |= not keep_saves
         self._submit_through(state, self._layers[-1] if self._layers else -1)
         self._state = None
         started = time.perf_counter()
@@ -237,7 +253,7 @@ class LayerwiseStrategy:
         without valid KV, and a group missing layers is dropped when the step finishes.
         """
         due = [pending for pending in state.unsubmitted if pending <= layer]
-        if not due or any(state.failed_loads.values()):
+        if not due or state.hold or state.tainted or any(state.failed_loads.values()):
             return
         event = self._new_event()
         event.record()

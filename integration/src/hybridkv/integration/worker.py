@@ -115,8 +115,12 @@ class WorkerSide:
         tp_rank: int,
         new_event: Callable[[], Event],
         copy_block: BlockCopier | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
+        """`any_rank(flag)`: whether the flag is set on any TP rank, called by every rank
+        of the TP group together (None: this rank alone)."""
         self.keys = keys
+        self._any_rank = any_rank
         self._copy_block = copy_block
         self.engine = engine
         self.strategy = strategy
@@ -132,6 +136,8 @@ class WorkerSide:
         # plan group, block index), for the scheduler to plan again.
         self._unsaved: set[tuple[str, int, int]] = set()
         self._after_failed_load = False
+        self._step_loads = False  # the step loads before or during its forward
+        self._loads_raised = False
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
@@ -240,9 +246,13 @@ class WorkerSide:
             # scheduling): requests it rolls back compute over the failed blocks again.
             self._after_failed_load = False
             self._leave_unsaved(saves)
+            for save in saves:
+                self._announce.pop(save.key, None)
             saves = []
-        self._count(loaded_blocks=loaded_blocks, saved_blocks=len(saves))
+        self._count(loaded_blocks=loaded_blocks)
         self._step_saves = saves
+        self._step_loads = bool(sync)
+        self._loads_raised = False
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
             fence = self._new_event()
@@ -250,15 +260,19 @@ class WorkerSide:
             fence.synchronize()
         if copies and self._copy_block is None:
             raise RuntimeError("state copies planned but the worker has no caches to copy")
+        # Another rank's failed load reaches this rank's KV through the model's
+        # all-reduces: with several ranks, a step that loads saves only once they agree.
+        hold = bool(sync) and self._any_rank is not None
         try:
-            self.strategy.begin_step(sync, saves)
+            self.strategy.begin_step(sync, saves, hold_saves=hold)
             if copies:
                 self.strategy.copy_loaded_states(self._state_copy_jobs(copies))
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             self._record_load(all_failed(sync))
             if sync:  # the forward runs over blocks that were not loaded
-                self._after_failed_load = True
+                self._loads_raised = True
+                self.strategy.discard_saves()
 
     def _state_copy_jobs(self, copies: Sequence[StateCopy]) -> list[StateCopyJob]:
         assert self._copy_block is not None
@@ -283,18 +297,21 @@ class WorkerSide:
         block it completed after them: the strategy saves none of those (see
         `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
         has recomputed them."""
-        end: StepEnd = self.strategy.end_step()
+        failed = self.strategy.finish_loads() or self._loads_raised
+        if self._step_loads and self._any_rank is not None:
+            failed = self._any_rank(failed)  # every rank, every step that loads
+        end: StepEnd = self.strategy.end_step(keep_saves=not failed)
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
         self._record_load(end.loads)
-        if any(end.loads.failed_blocks.values()):
+        if failed:
             self._after_failed_load = True
-        if self._after_failed_load:
             self._leave_unsaved(saves)
             announce = {}  # what committed before the failure is announced when saved again
+            saves = []
         if end.saves is not None:
             self._saves.append((end.saves, announce, len(saves)))
-        self._count(**self.strategy.take_stats())
+        self._count(saved_blocks=len(saves), **self.strategy.take_stats())
 
     def _leave_unsaved(self, saves: Iterable[BlockTransfer]) -> None:
         """Hand saves that computed over a failed load back to the scheduler (a prompt
