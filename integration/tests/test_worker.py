@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +20,7 @@ from hybridkv.integration.metadata import (
     RequestTransfers,
     StateCopy,
 )
-from hybridkv.integration.strategy import StepEnd, TransferStrategy, WholeBlocks
+from hybridkv.integration.strategy import StepEnd, Transfers, TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
 from hybridkv.transport import (
@@ -247,12 +247,7 @@ def test_ranks_holding_one_head_take_turns_putting_its_blocks(vllm_specs: Any) -
 class RecordingLoads(WholeBlocks):
     """Whole blocks, keeping the order in which each step's loads were handed over."""
 
-    def begin_step(
-        self,
-        loads: Sequence[BlockTransfer],
-        saves: Sequence[BlockTransfer],
-        hold_saves: bool = False,
-    ) -> None:
+    def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         self.loads = list(loads)
         super().begin_step(loads, saves, hold_saves)
 

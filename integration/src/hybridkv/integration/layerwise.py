@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.integration.strategy import StateCopyJob, StepEnd, all_failed
+from hybridkv.integration.strategy import StateCopyJob, StepEnd, Transfers, all_failed
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
@@ -119,12 +119,7 @@ class VllmLayerwise:
         self._hook_handles.clear()
         self._hooked.clear()
 
-    def begin_step(
-        self,
-        loads: Sequence[BlockTransfer],
-        saves: Sequence[BlockTransfer],
-        hold_saves: bool = False,
-    ) -> None:
+    def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         self._open_windows.clear()
         self._state_copies.clear()
         self._loads = list(loads)

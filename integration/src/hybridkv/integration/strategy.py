@@ -25,6 +25,9 @@ from typing import Protocol
 
 from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferResult
 
+# One step's loads or saves.
+Transfers = Sequence[BlockTransfer]
+
 
 @dataclass(frozen=True)
 class StepEnd:
@@ -53,12 +56,7 @@ class StateCopyJob:
 class TransferStrategy(Protocol):
     """One step's transfers, driven by vLLM's connector calls (see the module doc)."""
 
-    def begin_step(
-        self,
-        loads: Sequence[BlockTransfer],
-        saves: Sequence[BlockTransfer],
-        hold_saves: bool = False,
-    ) -> None:
+    def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         """Before the forward: the loads it needs, the saves it completes.
 
         Once a load failed, no layer computed after it is saved: a block the step
@@ -108,12 +106,7 @@ class WholeBlocks:
         self._loaded = TransferResult()
         self._saves: list[BlockTransfer] = []
 
-    def begin_step(
-        self,
-        loads: Sequence[BlockTransfer],
-        saves: Sequence[BlockTransfer],
-        hold_saves: bool = False,
-    ) -> None:
+    def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         self._saves = list(saves)  # held anyway: they go out at `end_step`
         self._loaded = TransferResult()
         self._loaded = self.engine.load(loads).wait() if loads else TransferResult()

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hybridkv.transport import BlockTransfer, Event, LayerwiseStep, TransferEngine, TransferResult
+from hybridkv.integration.strategy import Transfers
+from hybridkv.transport import Event, LayerwiseStep, TransferEngine, TransferResult
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,7 @@ class LayerwiseStrategy:
                 f"{name!r} is not a layer that reports to the layerwise strategy"
             ) from None
 
-    def begin_step(
-        self,
-        loads: Sequence[BlockTransfer],
-        saves: Sequence[BlockTransfer],
-        hold_saves: bool = False,
-    ) -> None:
+    def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         """Open this forward's step (when the worker binds the step's metadata);
         `hold_saves`: every put waits for `wait_for_save` (see `TransferStrategy`)."""
         if self._state is not None:
