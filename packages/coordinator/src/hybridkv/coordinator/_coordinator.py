@@ -15,7 +15,7 @@ from itertools import islice
 from typing import Protocol, TypeAlias
 
 from hybridkv.coordinator._kinds import GroupKind
-from hybridkv.coordinator._readable import Masks, require_bools
+from hybridkv.coordinator._readable import Masks, is_bool, require_bools
 
 #: Per group, block-indexed readability (indices past the end are unreadable), or
 #: `readable(group, block) -> bool`.
@@ -64,7 +64,7 @@ class _CallableColumn:
             answer = self._answers.get(block)
             if answer is None:
                 answer = self._readable(self._group, block)
-                if answer != True and answer != False:  # noqa: E712 (1 and 0 equal them)
+                if not is_bool(answer):
                     raise ValueError(
                         f"readable({self._group}, {block}) must return True or False, "
                         f"got {answer!r}"

@@ -36,12 +36,17 @@ def scatter_readable(masks: Masks, answers: Sequence[bool]) -> Masks:
     return tuple(tuple(bool(next(flat)) if marked else False for marked in mask) for mask in masks)
 
 
+def is_bool(value: object) -> bool:
+    """True and False (1 and 0 equal them): a store's error code (-1) is truthy, not
+    readable."""
+    return value == True or value == False  # noqa: E712
+
+
 def require_bools(name: str, values: Sequence[object]) -> None:
-    """Refuses anything but True and False (1 and 0 equal them): a store's error code (-1)
-    is truthy, not readable."""
+    """Refuses anything that is not `is_bool`."""
     if not isinstance(values, (list, tuple)):
         values = list(values)
     if values.count(True) + values.count(False) == len(values):  # counted in C
         return
-    index, value = next((i, v) for i, v in enumerate(values) if v != True and v != False)  # noqa: E712
+    index, value = next((i, v) for i, v in enumerate(values) if not is_bool(v))
     raise ValueError(f"{name} must hold bools, got {value!r} at index {index}")
