@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -10,6 +10,7 @@ from layerwise_rig import ATTENTION, MIXER, Rig, wait_until
 
 from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
 from hybridkv.integration.strategy import StateCopyJob
+from hybridkv.transport import BlockTransfer, MemoryStore
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -19,6 +20,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
 
 BLOCKS = [0, 5]
+SAVED = [1, 2]  # blocks a loading step saves, for another request
 
 
 class CacheInKernelBackend(CPUAttentionBackend):
@@ -159,8 +161,11 @@ class CopyRecorder:
         self.copied.append((list(names), int(self.rig.caches[2, 3][BLOCKS[0], 0])))
 
 
-def _loaded_step(rig: Rig, hooks_fire: bool) -> tuple[VllmLayerwise, dict[str, Any]]:
-    """Every layer stored (layer L holds 40 + L), caches cleared, a step loading it all."""
+def _loaded_step(
+    rig: Rig, hooks_fire: bool, saves: Sequence[BlockTransfer] = ()
+) -> tuple[VllmLayerwise, dict[str, Any]]:
+    """Every layer stored (layer L holds 40 + L), caches cleared, a step loading it all
+    (and saving `saves`)."""
     for layer in range(4):
         rig.fill(layer, BLOCKS, 40 + layer)
     assert rig.engine.save(rig.transfers(BLOCKS, tag="s")).wait(timeout=10).ok
@@ -169,7 +174,7 @@ def _loaded_step(rig: Rig, hooks_fire: bool) -> tuple[VllmLayerwise, dict[str, A
     ctx = context(rig)
     layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)), hooks_fire=hooks_fire)
     layerwise.install_state_hooks(ctx)
-    layerwise.begin_step(rig.transfers(BLOCKS, tag="s"), [])
+    layerwise.begin_step(rig.transfers(BLOCKS, tag="s"), saves)
     return layerwise, ctx
 
 
@@ -191,6 +196,65 @@ def test_without_running_hooks_a_loaded_state_is_copied_before_the_forward(rig: 
     layerwise.copy_loaded_states([StateCopyJob([MIXER, ATTENTION[0]], copy)])
     assert copy.copied == [([MIXER, ATTENTION[0]], 43)]  # now, after every load
     assert layerwise.end_step().loads.ok
+    layerwise.close()
+
+
+class ClientFailsReads(MemoryStore):
+    """Ranged reads raise once `broken`: an error of the client, not a store status."""
+
+    broken = False
+
+    def get_ranges(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broken:
+            raise RuntimeError("the client broke")
+        return super().get_ranges(*args, **kwargs)
+
+
+def _other_saves(rig: Rig) -> list[BlockTransfer]:
+    return [
+        BlockTransfer(save.key, save.group, save.local_block, "req-2", save.block_index)
+        for save in rig.transfers(SAVED, tag="n")
+    ]
+
+
+def _failed_every_load(layerwise: VllmLayerwise, rig: Rig, loads: dict[int, set[int]]) -> None:
+    """The step ends with `loads` failed (vLLM recomputes them) and nothing saved."""
+    assert layerwise.finish_loads()
+    end = layerwise.end_step()
+    assert end.loads.failed_blocks == loads
+    assert end.saves is None
+    assert not any(rig.readable(group, SAVED, "n") for group in (0, 1, 2))
+
+
+def test_a_load_raising_in_the_forward_fails_every_load_and_the_forward_goes_on() -> None:
+    store = ClientFailsReads()
+    rig = Rig(store)
+    try:
+        layerwise, ctx = _loaded_step(rig, True, _other_saves(rig))
+        copy = CopyRecorder(rig)
+        layerwise.copy_loaded_states([StateCopyJob([MIXER], copy)])
+        store.broken = True
+        forward(layerwise, rig, ctx[MIXER], 0)  # the first layer's load raised: no hook raises
+        assert copy.copied == []  # the mixer's state never loaded
+        _failed_every_load(layerwise, rig, {group: set(BLOCKS) for group in (0, 1, 2)})
+        store.broken = False  # the next step is a step like any other
+        rig.engine.release(["req-1"])  # whose loads were its first blocks
+        layerwise.begin_step([], rig.transfers(BLOCKS))
+        forward(layerwise, rig, ctx[MIXER], 70)
+        _end_step_saved_every_group(layerwise, rig)
+    finally:
+        rig.close()
+
+
+def test_a_step_whose_begin_raised_lets_its_forward_through(rig: Rig) -> None:
+    ctx = context(rig)
+    layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)))
+    layerwise.install_state_hooks(ctx)
+    unknown_group = BlockTransfer("rig@group:9@block:0", 9, 0, "req-1", 0)
+    with pytest.raises(ValueError, match="9"):
+        layerwise.begin_step([unknown_group], _other_saves(rig))
+    forward(layerwise, rig, ctx[MIXER], 0)
+    _failed_every_load(layerwise, rig, {9: {0}})
     layerwise.close()
 
 

@@ -15,15 +15,18 @@ step must begin when the worker binds the step's connector metadata, not there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridkv.integration.strategy import StateCopyJob, StepEnd, Transfers, all_failed
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
 log = logging.getLogger(__name__)
+
+_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,10 @@ class VllmLayerwise:
         self._object_sizes = dict(object_sizes or {})
         self._hooks_fire = hooks_fire
         self._loads: list[BlockTransfer] = []
-        self._loads_raised = False
+        # A hook of this step raised (an error of the client, not a store failure, which
+        # the transport reports per block): the step was drained, the rest of the forward
+        # passes through, every load counts as failed.
+        self._step_raised = False
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
@@ -120,18 +126,22 @@ class VllmLayerwise:
         self._hooked.clear()
 
     def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
+        """Raises what the transport raised (the worker reports every load failed); the
+        forward's hooks then pass through."""
         self._open_windows.clear()
         self._state_copies.clear()
         self._loads = list(loads)
-        self._loads_raised = False
-        self.strategy.begin_step(loads, saves, hold_saves)
-        if loads and not self._hooks_fire and self._plan.state:
-            self.strategy.wait_for_layer_load(max(self._plan.state, key=self.strategy.layer_of))
+        self._step_raised = False
+        with self._failing_the_step():
+            self.strategy.begin_step(loads, saves, hold_saves)
+            if loads and not self._hooks_fire and self._plan.state:
+                last_state = max(self._plan.state, key=self.strategy.layer_of)
+                self.strategy.wait_for_layer_load(last_state)
 
     def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
         """Each hooked layer's copy runs in its pre-hook, right after its own load: the
         other layers' loads keep overlapping the forward. Layers without a running hook
-        (compiled models) are copied now, after every load."""
+        (compiled models) are copied now, after every load (raising like `begin_step`)."""
         now: list[tuple[StateCopyJob, list[str]]] = []
         for job in copies:
             rest = []
@@ -143,19 +153,26 @@ class VllmLayerwise:
             if rest:
                 now.append((job, rest))
         if now:
-            self.strategy.wait_all_loads()
-            for job, names in now:
-                job.copy(names)
+            with self._failing_the_step():
+                self.strategy.wait_all_loads()
+                for job, names in now:
+                    job.copy(names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._guarded(lambda: self._enter(layer_name), None)
+
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM's `save_kv_layer`."""
+        self._guarded(lambda: self._leave(layer_name), None)
+
+    def _enter(self, layer_name: str) -> None:
         if layer_name in self._plan.windows:
             self.strategy.enter(layer_name)
             self._open_windows.add(layer_name)
         elif layer_name in self._plan.after_kernel:
             self.strategy.wait_for_layer_load(layer_name)
 
-    def save_layer(self, layer_name: str) -> None:
-        """vLLM's `save_kv_layer`."""
+    def _leave(self, layer_name: str) -> None:
         if layer_name in self._open_windows:
             self._open_windows.discard(layer_name)
             self.strategy.checkpoint()
@@ -166,28 +183,21 @@ class VllmLayerwise:
         self.strategy.taint()
 
     def finish_loads(self) -> bool:
-        """Wait for every get of the step (an error is logged, and reported at `end_step`
-        as every load failing)."""
-        try:
-            return any(self.strategy.wait_all_loads().values())
-        except Exception:
-            log.exception("hybridkv: layerwise step failed; its loads are recomputed")
-            self._loads_raised = True
-            return True
+        """Wait for every get of the step (an error counts as every load failing)."""
+        return self._guarded(lambda: any(self.strategy.wait_all_loads().values()), True)
 
     def end_step(self, keep_saves: bool = True) -> StepEnd:
         """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
         self._state_copies.clear()
         loads, self._loads = self._loads, []
-        if self._loads_raised:
-            return StepEnd(all_failed(loads))  # the step was drained when they raised
-        try:
-            failed = self.strategy.wait_all_loads()
-            result = self.strategy.wait_for_save(keep_saves)
-        except Exception:
-            log.exception("hybridkv: layerwise step failed; its loads are recomputed")
-            return StepEnd(all_failed(loads))
+        ended = self._guarded(
+            lambda: (self.strategy.wait_all_loads(), self.strategy.wait_for_save(keep_saves)),
+            None,
+        )
+        if ended is None:
+            return StepEnd(all_failed(loads))  # the step was drained when it raised
+        failed, result = ended
         if result is None:
             return StepEnd(TransferResult())
         lost = {(group, block) for group, blocks in failed.items() for block in blocks}
@@ -213,6 +223,28 @@ class VllmLayerwise:
         stats["layerwise_steps"] = stats.pop("steps")
         return stats
 
+    def _guarded(self, call: Callable[[], _Result], fallback: _Result) -> _Result:
+        """`call()`, unless the step already raised (then `fallback`); an exception is
+        logged and drains the step instead of stopping vLLM's forward."""
+        if self._step_raised:
+            return fallback
+        try:
+            with self._failing_the_step():
+                return call()
+        except Exception:
+            log.exception("hybridkv: layerwise step failed; its loads are recomputed")
+            return fallback
+
+    @contextmanager
+    def _failing_the_step(self) -> Iterator[None]:
+        """An exception drains the step and lets the rest of the forward pass through."""
+        try:
+            yield
+        except Exception:
+            self._step_raised = True
+            self.strategy.abort()
+            raise
+
     def close(self) -> None:
         """Teardown: drain the open step, remove every hook and patch installed."""
         self._open_windows.clear()
@@ -227,12 +259,15 @@ class VllmLayerwise:
         strategy = self.strategy
         state_copies = self._state_copies
 
-        def before_forward(_module: Any, _args: Any) -> None:
-            if torch.compiler.is_compiling() or not strategy.active:
-                return  # compiled: begin_step already waited (hooks_fire=False)
+        def load_and_copy() -> None:
             strategy.wait_for_layer_load(name)
             for copy in state_copies.pop(name, ()):
                 copy([name])
+
+        def before_forward(_module: Any, _args: Any) -> None:
+            if torch.compiler.is_compiling() or not strategy.active:
+                return  # compiled: begin_step already waited (hooks_fire=False)
+            self._guarded(load_and_copy, None)
 
         return before_forward
 
@@ -246,7 +281,7 @@ class VllmLayerwise:
             # reporting layer) then submits the layer, still in order and after its kernel.
             if torch.compiler.is_compiling() or not strategy.active:
                 return
-            strategy.post_compute_save(name)
+            self._guarded(lambda: strategy.post_compute_save(name), None)
 
         return after_forward
 

@@ -108,8 +108,9 @@ class WholeBlocks:
 
     def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         self._saves = list(saves)  # held anyway: they go out at `end_step`
-        self._loaded = TransferResult()
-        self._loaded = self.engine.load(loads).wait() if loads else TransferResult()
+        self._loaded = TransferResult()  # kept should the load raise
+        if loads:
+            self._loaded = self.engine.load(loads).wait()
 
     def discard_saves(self) -> None:
         self._saves = []
