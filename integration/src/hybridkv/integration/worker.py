@@ -116,11 +116,15 @@ class WorkerSide:
         new_event: Callable[[], Event],
         copy_block: BlockCopier | None = None,
         any_rank: Callable[[bool], bool] | None = None,
+        steps_ahead: int = 1,
     ) -> None:
         """`any_rank(flag)`: whether the flag is set on any TP rank, called by every rank
-        of the TP group together (None: this rank alone)."""
+        of the TP group together (None: this rank alone). `steps_ahead`: how many steps
+        vLLM schedules before it learns a step's outcome (1 with async scheduling, 0
+        without)."""
         self.keys = keys
         self._any_rank = any_rank
+        self._steps_ahead = steps_ahead
         self._copy_block = copy_block
         self.engine = engine
         self.strategy = strategy
@@ -135,7 +139,7 @@ class WorkerSide:
         # Saves left out because their step computed over a failed load, as (request id,
         # plan group, block index), for the scheduler to plan again.
         self._unsaved: set[tuple[str, int, int]] = set()
-        self._after_failed_load = False
+        self._steps_scheduled_blind = 0  # coming steps vLLM scheduled before a failed load
         self._step_loads = False  # the step loads before or during its forward
         self._loads_raised = False
         self._announce: dict[str, HeadStored] = {}
@@ -241,10 +245,10 @@ class WorkerSide:
             else:
                 sync.extend(loads)
             saves.extend(self._transfers(request.request_id, request.saves, writing=True))
-        if self._after_failed_load:
-            # vLLM may have scheduled this step before it learnt of the failed load (async
-            # scheduling): requests it rolls back compute over the failed blocks again.
-            self._after_failed_load = False
+        if self._steps_scheduled_blind:
+            # vLLM scheduled this step before it learnt of the failed load: requests it
+            # rolls back compute over the failed blocks again.
+            self._steps_scheduled_blind -= 1
             self._leave_unsaved(saves)
             for save in saves:
                 self._announce.pop(save.key, None)
@@ -305,7 +309,7 @@ class WorkerSide:
         saves, self._step_saves = self._step_saves, []
         self._record_load(end.loads)
         if failed:
-            self._after_failed_load = True
+            self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)
             announce = {}  # what committed before the failure is announced when saved again
             saves = []
