@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -117,6 +118,21 @@ def test_holder_starts_ready_and_stops_cleanly(
     assert holder.size == 16 << 20
     holder.stop()
     assert not holder.running()
+
+
+def test_a_log_of_our_own_goes_with_a_holder_killed_or_stopped(
+    mooncake_master: MasterProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder started without a log path logs to a temporary file: a deliberate kill (a
+    fault test) leaves it behind no more than a clean stop does."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read once, then cached
+    holders = [SegmentHolder.start(mooncake_master.address, "16MB") for _ in range(2)]
+    logs = [holder.log_path for holder in holders]
+    assert all(log.parent == tmp_path and log.exists() for log in logs)
+    holders[0].kill()
+    holders[1].stop()
+    assert not any(log.exists() for log in logs)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")

@@ -161,15 +161,17 @@ class ChildProcess:
                 )
             time.sleep(0.05)
 
-    def kill(self) -> None:
-        """SIGKILL now, as a crash would (fault tests); the log is kept."""
+    def kill(self, keep_log: bool = False) -> None:
+        """SIGKILL now, as a crash would (fault tests); a log of our own goes with it."""
         with contextlib.suppress(ProcessLookupError):
             self._popen.send_signal(signal.SIGKILL)
         self._popen.wait()
         self._forget()
+        self._drop_log(keep_log)
 
     def stop(self, timeout_s: float = 10.0, keep_log: bool = False) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; idempotent."""
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; idempotent. A log
+        of our own is removed unless the process failed."""
         if self.running():
             self._popen.send_signal(signal.SIGTERM)
             try:
@@ -178,7 +180,10 @@ class ChildProcess:
                 self._popen.kill()
                 self._popen.wait()
         self._forget()
-        if self._own_log and not keep_log and self._popen.returncode in (0, -signal.SIGTERM):
+        self._drop_log(keep_log or self._popen.returncode not in (0, -signal.SIGTERM))
+
+    def _drop_log(self, keep: bool) -> None:
+        if self._own_log and not keep:
             self.log_path.unlink(missing_ok=True)
 
     def _forget(self) -> None:
