@@ -38,7 +38,7 @@ def attention(specs: Any, block_size: int = 32, heads: int = 2, window: int | No
     return specs.SlidingWindowSpec(sliding_window=window, **common)
 
 
-def mamba(specs: Any, block_size: int = 32, mode: str = "align") -> Any:
+def mamba(specs: Any, block_size: int = 32, mode: str = "align", **extra: Any) -> Any:
     import torch
 
     return specs.MambaSpec(
@@ -46,6 +46,7 @@ def mamba(specs: Any, block_size: int = 32, mode: str = "align") -> Any:
         shapes=((2, 128),),
         dtypes=(torch.float32,),
         mamba_cache_mode=mode,
+        **extra,
     )
 
 

@@ -170,6 +170,32 @@ def test_saves_the_workers_left_out_after_a_failed_load_are_planned_again(
     assert [ref.index for ref in meta.requests[0].saves] == [2, 3, 4]
 
 
+def test_decode_saves_stop_at_the_tokens_vllm_knows(vllm_specs: Any) -> None:
+    """With `save_decode_cache`, a block is saved once its tokens are known: async
+    scheduling counts a step's token before it is sampled, speculative decoding schedules
+    drafts that may be rejected. A block they would complete waits for its tokens."""
+    side, _ = _side(
+        vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), save_decode_cache=True
+    )
+    prompt = TOKENS[:40]
+    r = request("r", list(prompt))
+    side.after_alloc(r, ([1, 2],), 0)
+    table = ([1, 2],)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 0, 40)], tables={"r": table}))
+    assert [ref.index for ref in meta.requests[0].saves] == [0]
+    r.all_token_ids = prompt + list(range(23))  # 63 known; the 64th not sampled yet
+    r.num_tokens = 63
+    assert (
+        side.build_meta(scheduler_output(cached=[("r", 63, 1)], tables={"r": table})).requests == []
+    )
+    meta = side.build_meta(scheduler_output(cached=[("r", 62, 4)], tables={"r": table}))
+    assert meta.requests == []  # three drafts past the known tokens
+    r.all_token_ids.append(7)
+    r.num_tokens = 64
+    meta = side.build_meta(scheduler_output(cached=[("r", 64, 1)], tables={"r": table}))
+    assert [ref.index for ref in meta.requests[0].saves] == [1]
+
+
 def test_a_step_computing_nothing_is_marked_idle(vllm_specs: Any) -> None:
     side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     assert side.build_meta(scheduler_output()).idle

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
+from hybridkv.integration.checkpoints import PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
@@ -74,12 +75,15 @@ class SchedulerSide:
         tail_unit: int = 0,
         load_async_required: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        checkpoints: PrefillCheckpoints | None = None,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
         `load_async_required`: load in the background even if `load_async` is off (vLLM
         recovers from a failed load of a hybrid model only while the request waits).
-        `clock`: the time that quarantined keys are released by."""
+        `clock`: the time that quarantined keys are released by. `checkpoints`: the Mamba
+        groups whose prefill chunks leave a block holding an inner state (never saved)."""
+        self._checkpoints = checkpoints
         self.keys = keys
         self._events = events
         self.plan = keys.plan
@@ -276,23 +280,25 @@ class SchedulerSide:
         for new in output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                done = new.num_computed_tokens + output.num_scheduled_tokens[new.req_id]
+                start = new.num_computed_tokens
+                done = start + output.num_scheduled_tokens[new.req_id]
                 self._start(tracked, new.block_ids, done, step)
-                self._plan_saves(tracked, done, state, step)
+                self._plan_saves(tracked, start, done, state, step)
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[index]
-            done = cached.num_computed_tokens[index] + output.num_scheduled_tokens[request_id]
+            start = cached.num_computed_tokens[index]
+            done = start + output.num_scheduled_tokens[request_id]
             if request_id in cached.resumed_req_ids and new_ids is not None:
                 # Preempted and resumed: a whole new block table, maybe a new hit to load.
                 self._start(tracked, new_ids, done, step)
             elif new_ids is not None:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
                     table.extend(ids)
-            self._plan_saves(tracked, done, state, step)
+            self._plan_saves(tracked, start, done, state, step)
         idle = output.total_num_scheduled_tokens == 0
         return HybridKVMetadata(list(step.values()), self.generation, idle)
 
@@ -329,14 +335,26 @@ class SchedulerSide:
                 transfers.copies.append(StateCopy(ref.group, ref.block_id, ids[running]))
 
     def _plan_saves(
-        self, tracked: _Tracked, done: int, state: Any, step: dict[str, RequestTransfers]
+        self,
+        tracked: _Tracked,
+        start: int,
+        done: int,
+        state: Any,
+        step: dict[str, RequestTransfers],
     ) -> None:
         """Queue the store-worthy blocks this step completes (the prompt's, or with
-        `save_decode_cache` also those the generated tokens complete)."""
+        `save_decode_cache` also those the generated tokens complete, as far as they are
+        known: with async scheduling vLLM counts a step's token before it is sampled, and
+        speculative decoding schedules draft tokens that may be rejected)."""
         if not self._saves:
             return
         request = tracked.request
-        upto = done if self.config.save_decode_cache else min(done, request.num_prompt_tokens)
+        known = (
+            len(request.all_token_ids)
+            if self.config.save_decode_cache
+            else request.num_prompt_tokens
+        )
+        upto = min(done, known)
         current = state.get_block_ids(request.request_id) if state is not None else None
         table = current if current is not None else tracked.block_ids
         saves: list[BlockRef] = []
@@ -352,9 +370,20 @@ class SchedulerSide:
             if complete > len(tracked.store_mask[group]):  # decode went past the mask
                 tracked.store_mask = self.coordinator.store_mask(upto)
             mask = tracked.store_mask[group]
+            inner = (
+                self._checkpoints.misplaced_block(group, start, done)
+                if self._checkpoints is not None
+                else None
+            )
             for block in range(first, min(complete, len(ids))):
                 # Null: a window or a state vLLM already dropped; it is never coming back.
-                if block < len(mask) and mask[block] and ids[block] != NULL_BLOCK_ID:
+                # `inner`: a state that is not the one at the block's end.
+                if (
+                    block < len(mask)
+                    and mask[block]
+                    and ids[block] != NULL_BLOCK_ID
+                    and block != inner
+                ):
                     stored = None
                     if self._events is not None:
                         stored = self._events(request, plan.vllm_group_id, size, block)
