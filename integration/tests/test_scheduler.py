@@ -246,6 +246,33 @@ def test_a_reset_moves_every_key_to_a_new_generation(vllm_specs: Any) -> None:
     assert side.num_new_matched_tokens(request("s", TOKENS), 0) == (64, False)
 
 
+def test_kv_from_before_a_reset_is_not_saved_under_the_new_generation(vllm_specs: Any) -> None:
+    """A reset while a request's hit loads in the background: the KV it then holds is
+    the old generation's; saved, it would reach instances that reset as often. A request
+    vLLM looks up afresh (preempted by the reset) is saved again."""
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 192)
+    loading, preempted = request("loading", TOKENS), request("preempted", TOKENS[:100])
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    assert side.num_new_matched_tokens(loading, 0) == (192, False)
+    side.after_alloc(loading, table, 192)
+    side.after_alloc(preempted, ([8, 9, 10, 11],), 0)
+    side.build_meta(scheduler_output(new=[("preempted", ([8, 9, 10, 11],), 0, 64)]))
+    side.reset()
+    side.after_alloc(loading, table, 0)  # its load done: vLLM schedules the rest
+    assert side.num_new_matched_tokens(preempted, 0) == (0, False)  # new keys: a miss
+    side.after_alloc(preempted, ([12, 13, 14, 15],), 0)
+    meta = side.build_meta(
+        scheduler_output(
+            new=[("loading", table, 192, 8), ("preempted", ([12, 13, 14, 15],), 0, 100)]
+        )
+    )
+    assert [(t.request_id, [ref.index for ref in t.saves]) for t in meta.requests] == [
+        ("preempted", [0, 1, 2])
+    ]
+    assert meta.generation == 1
+
+
 def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: Any) -> None:
     kinds = [
         (["w"], attention(vllm_specs, window=64)),

@@ -328,6 +328,8 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
     _step(worker, [RequestTransfers(request_id="b", loads=loads)])
     assert worker.take_load_errors() == {5, 6}
     assert worker.take_load_errors() == set()
+    # vLLM recomputes them: the scheduler, which counted them as in the pool, saves them
+    assert worker.take_unsaved() == {("b", 0, 0), ("b", 0, 1)}
     assert worker.take_failed_keys() == set(_keys(worker, loads))  # for the quarantine
     assert worker.take_failed_keys() == set()
 
@@ -345,7 +347,7 @@ def test_blocks_computed_over_a_failed_load_are_not_saved_but_handed_back(
     failed_load = RequestTransfers(request_id="r", loads=_refs([(0, 0, 5)]), saves=first)
     _step(worker, [failed_load])  # block 0 is not in the pool
     assert worker.take_load_errors() == {5}
-    assert worker.take_unsaved() == {("r", 0, 1)}
+    assert worker.take_unsaved() == {("r", 0, 0), ("r", 0, 1)}
     for index in range(2, 2 + ahead):  # computed over the failed block again
         _step(worker, [RequestTransfers(request_id="r", saves=_refs([(0, index, 1 + index)]))])
         assert worker.take_unsaved() == {("r", 0, index)}
@@ -584,6 +586,7 @@ def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs
     worker.end_step()
     worker.barrier()
     assert worker.take_load_errors() == {7}
-    assert worker.take_unsaved() == {("b", 0, 2)}
+    assert worker.counters.snapshot()["failed_load_blocks"] == 1  # reported once
+    assert worker.take_unsaved() == {("b", 0, 2), ("b", 1, 1)}  # its load, its save
     assert store.batch_is_readable(_keys(worker, load.saves)) == [False]
     worker.close()

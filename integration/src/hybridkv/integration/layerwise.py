@@ -101,8 +101,10 @@ class VllmLayerwise:
         self._loads: list[BlockTransfer] = []
         # A hook of this step raised (an error of the client, not a store failure, which
         # the transport reports per block): the step was drained, the rest of the forward
-        # passes through, every load counts as failed.
+        # passes through, every load counts as failed. `_unreported`: the error was not
+        # raised to the worker (which reports what `begin_step` raises), `end_step` does.
         self._step_raised = False
+        self._unreported = False
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
@@ -131,7 +133,7 @@ class VllmLayerwise:
         self._open_windows.clear()
         self._state_copies.clear()
         self._loads = list(loads)
-        self._step_raised = False
+        self._step_raised = self._unreported = False
         with self._failing_the_step():
             self.strategy.begin_step(loads, saves, hold_saves)
             if loads and not self._hooks_fire and self._plan.state:
@@ -195,8 +197,8 @@ class VllmLayerwise:
             lambda: (self.strategy.wait_all_loads(), self.strategy.wait_for_save(keep_saves)),
             None,
         )
-        if ended is None:
-            return StepEnd(all_failed(loads))  # the step was drained when it raised
+        if ended is None:  # the step was drained when it raised
+            return StepEnd(all_failed(loads) if self._unreported else TransferResult())
         failed, result = ended
         if result is None:
             return StepEnd(TransferResult())
@@ -233,6 +235,7 @@ class VllmLayerwise:
                 return call()
         except Exception:
             log.exception("hybridkv: layerwise step failed; its loads are recomputed")
+            self._unreported = True
             return fallback
 
     @contextmanager

@@ -83,9 +83,9 @@ class HybridKVMetadata(KVConnectorMetadata):
 @dataclass(frozen=True)
 class FailedLoads(KVConnectorWorkerMetadata):
     """Worker to scheduler, on any TP rank (vLLM aggregates the ranks'): the keys whose
-    reads failed in a step, for the scheduler to quarantine, and the saves left out
-    because they computed over such a read, as (request id, plan group, block index),
-    for the scheduler to plan again."""
+    reads failed in a step, for the scheduler to quarantine, and the blocks to save again,
+    as (request id, plan group, block index): saves left out because they computed over
+    such a read, and the blocks whose own read failed (vLLM recomputes them)."""
 
     keys: frozenset[str] = frozenset()
     unsaved: frozenset[tuple[str, int, int]] = frozenset()

@@ -97,6 +97,9 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _PendingLoad] = {}
         self._ready: dict[str, RequestTransfers] = {}
+        # Requests that hold KV from before a reset (running, or loading in the background)
+        # until vLLM looks them up afresh: never saved under the new generation's keys.
+        self._stale: set[str] = set()
         self.quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
@@ -107,9 +110,11 @@ class SchedulerSide:
 
     def reset(self) -> None:
         """Nothing stored before this call is looked up again: hashes (and so keys) move
-        to a new generation, and every request is tracked afresh when vLLM next offers it
-        (a reset preempts the running ones)."""
+        to a new generation. A request vLLM looks up again (a reset that preempts the
+        running ones) is tracked afresh; one that keeps the KV it had (still running, or
+        finishing a background load) is not saved again."""
         self.generation += 1
+        self._stale.update(self._tracked)
         self._tracked.clear()
         self._pending.clear()
         self._ready.clear()
@@ -132,6 +137,7 @@ class SchedulerSide:
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
+        self._stale.discard(request.request_id)  # vLLM computes it afresh
         if not self._loads or not _has_token_ids(request):
             return 0, False  # a consumer told not to load, or no token ids to hash
         max_tokens = request.num_tokens - 1
@@ -229,8 +235,8 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, block_ids: Sequence[list[int]], external: int) -> None:
         """Turn the pending hit into per-block loads once vLLM has placed the blocks."""
-        if not _has_token_ids(request):
-            return  # never saved: its token ids are placeholders that other prompts share
+        if not _has_token_ids(request) or request.request_id in self._stale:
+            return  # never saved: placeholder token ids, or KV from before a reset
         tracked = self._track(request)
         pending = self._pending.pop(request.request_id, None)
         if pending is None or external == 0:
@@ -429,10 +435,11 @@ class SchedulerSide:
         and `request_ids`, background loads that vLLM now computes from their first token
         (vLLM's `failed_recving`). Such a request is tracked afresh when vLLM asks for it
         again: its hit stops before the first failed block, and the blocks it computes
-        past that hit are saved. `unsaved` (request id, plan group, block index): saves
-        the workers left out because their step computed over a failed read; they are
-        planned again, once vLLM has recomputed them (it rolls back the requests that
-        read a failed block) or at once (the others' blocks are intact)."""
+        past that hit are saved. `unsaved` (request id, plan group, block index): blocks
+        whose read failed before the forward and saves the workers left out because their
+        step computed over a failed read; they are planned again, once vLLM has recomputed
+        them (it rolls back the requests that read a failed block) or at once (the others'
+        blocks are intact)."""
         for request_id, group, index in unsaved:
             tracked = self._tracked.get(request_id)
             if tracked is not None:
@@ -450,6 +457,7 @@ class SchedulerSide:
             self._tracked.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
+        self._stale.discard(request_id)
         self._tracked.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._ready.pop(request_id, None)

@@ -136,9 +136,11 @@ class WorkerSide:
         # many blocks it puts.
         self._saves: list[tuple[Callable[[], TransferResult], dict[str, HeadStored], int]] = []
         self._step_saves: list[BlockTransfer] = []
-        # Saves left out because their step computed over a failed load, as (request id,
-        # plan group, block index), for the scheduler to plan again.
+        # (request id, plan group, block index) for the scheduler to plan saving again:
+        # saves left out because their step computed over a failed load, and blocks whose
+        # own load failed (vLLM recomputes them).
         self._unsaved: set[tuple[str, int, int]] = set()
+        self._sync_loads: list[BlockTransfer] = []
         self._steps_scheduled_blind = 0  # coming steps vLLM scheduled before a failed load
         self._step_loads = False  # the step loads before or during its forward
         self._loads_raised = False
@@ -208,6 +210,14 @@ class WorkerSide:
             failed_load_blocks=len(failed),
         )
 
+    def _record_sync_load(self, result: TransferResult, loads: Sequence[BlockTransfer]) -> None:
+        """A load before or in the forward: besides `_record_load`, its failed blocks go
+        back to the scheduler, which counted them as in the pool, to be saved once vLLM
+        has recomputed them."""
+        self._record_load(result)
+        lost = set(result.failed_keys)
+        self._leave_unsaved(load for load in loads if load.key in lost)
+
     def barrier(self) -> None:
         """Wait for every save issued so far: their source blocks may be reused next."""
         pending, self._saves = self._saves, []
@@ -255,6 +265,7 @@ class WorkerSide:
             saves = []
         self._count(loaded_blocks=loaded_blocks)
         self._step_saves = saves
+        self._sync_loads = sync
         self._step_loads = bool(sync)
         self._loads_raised = False
         if sync:
@@ -273,7 +284,7 @@ class WorkerSide:
                 self.strategy.copy_loaded_states(self._state_copy_jobs(copies))
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
-            self._record_load(all_failed(sync))
+            self._record_sync_load(all_failed(sync), sync)
             if sync:  # the forward runs over blocks that were not loaded
                 self._loads_raised = True
                 self.strategy.discard_saves()
@@ -307,7 +318,8 @@ class WorkerSide:
         end: StepEnd = self.strategy.end_step(keep_saves=not failed)
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
-        self._record_load(end.loads)
+        loads, self._sync_loads = self._sync_loads, []
+        self._record_sync_load(end.loads, loads)
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)
@@ -318,8 +330,8 @@ class WorkerSide:
         self._count(saved_blocks=len(saves), **self.strategy.take_stats())
 
     def _leave_unsaved(self, saves: Iterable[BlockTransfer]) -> None:
-        """Hand saves that computed over a failed load back to the scheduler (a prompt
-        tail, owned under a negative index, is not planned again: it is lost)."""
+        """Hand blocks to save back to the scheduler (a prompt tail, owned under a
+        negative index, is not planned again: it is lost)."""
         self._unsaved.update(
             (save.request_id, save.group, save.block_index)
             for save in saves
@@ -373,8 +385,9 @@ class WorkerSide:
         return keys
 
     def take_unsaved(self) -> set[tuple[str, int, int]]:
-        """(request id, plan group, block index) of saves left out since the last call
-        because their step computed over a failed load."""
+        """(request id, plan group, block index) to plan saving again, since the last
+        call: saves left out because their step computed over a failed load, and blocks
+        whose own load failed (the scheduler had counted them as in the pool)."""
         unsaved, self._unsaved = self._unsaved, set()
         return unsaved
 
