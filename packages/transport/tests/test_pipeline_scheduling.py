@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.memory_store import MemoryStore
-from hybridkv.transport.ownership import BlockTransfer, Claim
+from hybridkv.transport.ownership import BlockTransfer, Claim, Direction
 from hybridkv.transport.pipeline import Granularity, PipelineOptions, PoolPressure
 from hybridkv.transport.sessions import Writes
 
@@ -320,6 +321,65 @@ def test_close_drains_every_queued_transfer_and_stops_its_threads(memory: np.nda
     assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
     with pytest.raises(RuntimeError, match="closed"):
         engine.save(saves(1, prefix))
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_a_transfer_racing_close_is_queued_before_the_threads_stop(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch, direction: Direction
+) -> None:
+    """A `close()` between a transfer's checks and its queueing would stop the threads
+    after its keys were claimed and its count begun: nothing would settle or end them."""
+    engine = TransferEngine(MemoryStore(), [deep_layout(memory)], PipelineOptions())
+    check = engine._check
+    closer = threading.Thread(target=engine.close)
+
+    def check_then_close(transfers: Sequence[BlockTransfer]) -> None:
+        check(transfers)
+        closer.start()
+        closer.join(timeout=0.5)  # closes at once unless the transfer holds the engine lock
+
+    monkeypatch.setattr(engine, "_check", check_then_close)
+    transfer = engine.save if direction == "save" else engine.load
+    ticket = transfer(saves(2, unique_prefix()))
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert ticket.done
+    assert engine.outstanding(direction) == 0
+
+
+def test_a_concurrent_close_returns_only_once_the_first_has_drained(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whichever thread's `close()` returns, its caller may free the caches at once."""
+    engine = TransferEngine(MemoryStore(), [deep_layout(memory)], PipelineOptions())
+    gate = GateEvent()
+    ticket = engine.save(saves(1, unique_prefix()), ready=gate)
+    draining = threading.Event()
+    close_sender = engine._sender.close
+
+    def signal_then_close_sender() -> None:
+        draining.set()
+        close_sender()
+
+    monkeypatch.setattr(engine._sender, "close", signal_then_close_sender)
+    saved_when_second_returned: list[bool] = []
+
+    def close_again() -> None:
+        engine.close()
+        saved_when_second_returned.append(ticket.done)
+
+    first = threading.Thread(target=engine.close)
+    second = threading.Thread(target=close_again)
+    first.start()
+    assert draining.wait(timeout=10)
+    second.start()
+    second.join(timeout=0.5)  # returns at once unless it waits for the first close
+    gate.fire()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert not first.is_alive()
+    assert not second.is_alive()
+    assert saved_when_second_returned == [True]
 
 
 def record_settles(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:

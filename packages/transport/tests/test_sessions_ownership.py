@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 
 import pytest
 from _engine_drive import MODES, engine_for, load, read_object, save, unique_prefix
 from _engine_model import NUM_LAYERS, Caches, transfers
+from _engine_stores import GateEvent
 
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.errors import Status
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
-from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.ownership import BlockTransfer, Claim, OwnedBlock, RideOutcome
 from hybridkv.transport.pipeline import PipelineOptions
 from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
@@ -109,6 +111,60 @@ def test_a_rider_sees_the_failure_of_the_write_it_rode_on(mode: str) -> None:
     assert riding.failed_keys == [failing]
     assert riding.failed_blocks == {0: {2}}  # b's own local block, not a's
     assert store.batch_is_readable([t.key for t in writer_saves]) == [True, False]
+
+
+def test_a_rider_whose_write_settles_right_after_its_claim_waits_for_its_own_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write a save rides on may settle as soon as the claim registered the rider: the
+    rider's count must be begun by then, or it ends below zero, the request is reported
+    finished while its own write still waits, and a count stays outstanding forever."""
+    caches = Caches(num_blocks=4, seed=7)
+    caches.fill()
+    prefix = unique_prefix()
+    writer_ready, own_ready = GateEvent(), GateEvent()
+    with engine_for(MemoryStore(), caches, "whole") as engine:
+        writer = engine.save(transfers({0: [0]}, "a", prefix), ready=writer_ready)
+        claim = engine._ownership.claim
+
+        def claim_then_settle_the_ridden_write(
+            saves: Sequence[BlockTransfer],
+            outcome: RideOutcome,
+            accepted: Callable[[], None] | None = None,
+        ) -> Claim:
+            claimed = claim(saves, outcome, accepted)
+            writer_ready.fire()
+            assert writer.wait(timeout=10).ok
+            return claimed
+
+        monkeypatch.setattr(engine._ownership, "claim", claim_then_settle_the_ridden_write)
+        # b rides on a's key of group 0 and writes its own key of group 1 after own_ready.
+        rider = engine.save(transfers({0: [2], 1: [3]}, "b", prefix), ready=own_ready)
+        try:
+            assert engine.poll_finished() == ({"a"}, set())
+        finally:
+            own_ready.fire()
+        assert rider.wait(timeout=10).ok
+        assert engine.poll_finished() == ({"b"}, set())
+        assert engine.outstanding("save") == 0
+
+
+def test_a_failed_save_of_a_key_another_request_committed_keeps_that_owner() -> None:
+    """A new owner's write of a stored key may fail (here its existence query): only that
+    owner is forgotten, to try again later; the request that committed the key still owns
+    it, or a chunked prefill would save its blocks again."""
+    store = MemoryStore()
+    caches = Caches(num_blocks=4, seed=7)
+    caches.fill()
+    prefix = unique_prefix()
+    key = f"{prefix}@group:0@0"
+    with engine_for(store, caches, "whole") as engine:
+        assert engine.save(transfers({0: [1]}, "a", prefix)).wait(timeout=10).ok
+        store.fail_next("batch_is_readable", [key], Status.RPC_FAILED)
+        failed = engine.save(transfers({0: [2]}, "b", prefix)).wait(timeout=10)
+        assert failed.failed_keys == [key]
+        assert engine.owned_blocks("a") == {(0, 0): OwnedBlock(key, 1, committed=True)}
+        assert engine.owned_blocks("b") == {}
 
 
 def test_an_owner_cannot_change_its_key_until_every_owner_is_released() -> None:

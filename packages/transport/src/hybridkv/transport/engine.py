@@ -124,6 +124,7 @@ class TransferEngine:
         self._tracker = RequestTracker()
         self._lock = threading.Lock()
         self._closed = False
+        self._drained = threading.Event()  # set once `close()` has stopped everything
         self._steps: dict[LayerwiseStep, None] = {}  # open steps, in the order they began
         self._sender = Worker("hybridkv-send")
         self._receiver = Worker("hybridkv-receive")
@@ -131,51 +132,63 @@ class TransferEngine:
     # -- whole objects ----------------------------------------------------------------
 
     def save(self, transfers: Sequence[BlockTransfer], ready: Event | None = None) -> Ticket:
-        """Write whole objects after `ready`; keys the pool already holds are skipped."""
-        self._check(transfers)
-        claim, outcome = self._claim(transfers)
-        writes = _WHOLE_WRITES[self.options.granularity](
-            self.store,
-            self.options,
-            group_batches(self.layouts, claim.write),
-            outcome,
-            self.staging,
-        )
+        """Write whole objects after `ready`; keys the pool already holds are skipped.
 
-        def work() -> None:
-            try:
-                if ready is not None:
-                    ready.synchronize()
-                self._prepare(writes)
-                if writes.prepared:
-                    writes.write_all()
-            finally:
-                writes.unstage()
-                self._settle(claim, writes)
+        Refused or queued under the engine lock: a `close()` in between would stop the send
+        thread after the keys were claimed, and nothing would settle them.
+        """
+        with self._lock:
+            self._check(transfers)
+            claim, outcome = self._claim(transfers)
+            writes = _WHOLE_WRITES[self.options.granularity](
+                self.store,
+                self.options,
+                group_batches(self.layouts, claim.write),
+                outcome,
+                self.staging,
+            )
 
-        return Ticket([self._sender.submit(work)], [outcome])
+            def work() -> None:
+                try:
+                    if ready is not None:
+                        ready.synchronize()
+                    self._prepare(writes)
+                    if writes.prepared:
+                        writes.write_all()
+                finally:
+                    writes.unstage()
+                    self._settle(claim, writes)
+
+            job = self._sender.submit(work)
+        return Ticket([job], [outcome])
 
     def load(self, transfers: Sequence[BlockTransfer], ready: Event | None = None) -> Ticket:
-        """Read whole objects into local blocks after `ready`; failures name the blocks."""
-        self._check(transfers)
-        outcome = Outcome()
-        reads = _WHOLE_READS[self.options.granularity](
-            self.store,
-            self.options,
-            group_batches(self.layouts, transfers),
-            outcome,
-            self.staging,
-        )
-        reads.ready = ready
-        self._tracker.begin("load", _requests(transfers))
+        """Read whole objects into local blocks after `ready`; failures name the blocks.
 
-        def work() -> None:
-            try:
-                reads.read_all()
-            finally:
-                self._tracker.end("load", _requests(transfers))
+        Refused or queued under the engine lock, as `save` is: a count begun for a load
+        that `close()` then keeps off the receive thread would never end.
+        """
+        with self._lock:
+            self._check(transfers)
+            outcome = Outcome()
+            reads = _WHOLE_READS[self.options.granularity](
+                self.store,
+                self.options,
+                group_batches(self.layouts, transfers),
+                outcome,
+                self.staging,
+            )
+            reads.ready = ready
 
-        return Ticket([self._receiver.submit(work)], [outcome])
+            def work() -> None:
+                try:
+                    reads.read_all()
+                finally:
+                    self._tracker.end("load", _requests(transfers))
+
+            self._tracker.begin("load", _requests(transfers))
+            job = self._receiver.submit(work)
+        return Ticket([job], [outcome])
 
     # -- layer by layer ---------------------------------------------------------------
 
@@ -226,22 +239,31 @@ class TransferEngine:
 
     def close(self) -> None:
         """Finish open steps in the order they began, run every queued transfer, stop both
-        threads."""
+        threads.
+
+        A concurrent `close()` returns only once the first one is done: its caller may
+        free the caches or the store as soon as it returns.
+        """
         with self._lock:
-            if self._closed:
-                return
+            closing = self._closed
             self._closed = True
             steps = list(self._steps)
-        for step in steps:
-            try:
-                step.finish()
-            except Exception:
-                log.exception("layerwise step failed while the engine closed")
-        self._sender.close()
-        self._receiver.close()
-        if self.staging is not None:
-            self.staging.close()
-        self._unregister_buffers()
+        if closing:
+            self._drained.wait()
+            return
+        try:
+            for step in steps:
+                try:
+                    step.finish()
+                except Exception:
+                    log.exception("layerwise step failed while the engine closed")
+            self._sender.close()
+            self._receiver.close()
+            if self.staging is not None:
+                self.staging.close()
+            self._unregister_buffers()
+        finally:
+            self._drained.set()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -301,9 +323,11 @@ class TransferEngine:
             self.layouts[group].check_blocks(blocks)
 
     def _claim(self, transfers: Sequence[BlockTransfer]) -> tuple[Claim, Outcome]:
+        """Claim saves, counted as the claim accepts them: the write a rider waits on may
+        settle (and end the rider's count) as soon as the claim registered the rider."""
         outcome = Outcome()
-        claim = self._ownership.claim(transfers, outcome)
-        self._tracker.begin("save", _requests(transfers))
+        count = functools.partial(self._tracker.begin, "save", _requests(transfers))
+        claim = self._ownership.claim(transfers, outcome, accepted=count)
         outcome.skipped(transfer.key for transfer in claim.done)
         self._tracker.end("save", _requests(claim.done))
         return claim, outcome

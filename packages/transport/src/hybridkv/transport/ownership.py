@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, Protocol
 
 import msgspec
@@ -73,18 +73,29 @@ class Ownership:
         self._owners_of: dict[str, set[OwnerId]] = {}
         self._riders: dict[str, list[Rider]] = {}  # key being written -> saves waiting on it
 
-    def claim(self, transfers: Sequence[BlockTransfer], outcome: RideOutcome) -> Claim:
+    def claim(
+        self,
+        transfers: Sequence[BlockTransfer],
+        outcome: RideOutcome,
+        accepted: Callable[[], None] | None = None,
+    ) -> Claim:
         """Split saves; riders are registered to learn the fate of the write into `outcome`.
 
         A batch naming another key for an owner is refused before anything is claimed:
         a half-claimed batch would leave keys marked as being written with no job to settle
         them, and every later save of those keys would ride on nothing forever.
+
+        `accepted` runs once the batch is accepted, before any of its riders can be settled
+        (`settle` takes the same lock): the caller counts the saves there, or the write a
+        rider waits on could settle and end the rider's count before it was begun.
         """
         write: list[BlockTransfer] = []
         ride: list[BlockTransfer] = []
         done: list[BlockTransfer] = []
         with self._lock:
             self._check_keys(transfers)
+            if accepted is not None:
+                accepted()
             for transfer in transfers:
                 owned = self._owned.get(transfer.owner)
                 if owned is not None and owned.committed:
@@ -120,16 +131,21 @@ class Ownership:
     def settle(self, key: str, committed: bool) -> list[Rider]:
         """Record the fate of a write; returns the saves that rode on it.
 
-        A failed write forgets its owners so that a later step may try again.
+        A failed write forgets its owners that had not committed the key, so that a later
+        step may try again; an owner that committed it earlier (another request's re-save
+        failed, e.g. at its existence query) still owns what is stored.
         """
         with self._lock:
             riders = self._riders.pop(key, [])
-            for owner in self._owners_of.get(key, set()):
+            owners = self._owners_of.get(key, set())
+            for owner in list(owners):
+                owned = self._owned[owner]
                 if committed:
-                    self._owned[owner].committed = True
-                else:
+                    owned.committed = True
+                elif not owned.committed:
                     del self._owned[owner]
-            if not committed:
+                    owners.discard(owner)
+            if not owners:
                 self._owners_of.pop(key, None)
             return riders
 
