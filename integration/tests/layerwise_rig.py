@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -152,3 +153,14 @@ class GatedStore(MemoryStore):
             self.get_gate.wait()
             self.gets_waiting -= 1
         return super().get_ranges(keys, ptrs, sizes, offsets)
+
+
+class ClientFailsReads(MemoryStore):
+    """Ranged reads raise once `broken`: an error of the client, not a store status."""
+
+    broken = False
+
+    def get_ranges(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broken:
+            raise RuntimeError("the client broke")
+        return super().get_ranges(*args, **kwargs)

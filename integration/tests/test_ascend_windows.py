@@ -18,7 +18,7 @@ import pytest
 from fakes import FAKES_DIR, ascend_runtime, real_package_present
 from fakes.ascend_runtime import AttentionLayer, FakeAttnMetadata
 from fakes.npu import FakeNpuDevice, npu_namespace, torch_npu_module
-from layerwise_rig import Rig, wait_until
+from layerwise_rig import ClientFailsReads, Rig, wait_until
 
 from hybridkv.integration.ascend import (
     GraphModeNotSupportedError,
@@ -97,7 +97,9 @@ class AscendModel:
         }
         plan = plan_vllm_layers(static_forward_context, set(NAMES), connector_windows=False)
         self.layerwise = VllmLayerwise(self.rig.strategy, plan)
-        self.windows = install_ascend_windows(self.rig.strategy, static_forward_context, EAGER)
+        self.windows = install_ascend_windows(
+            self.rig.strategy, static_forward_context, EAGER, window=self.layerwise.window
+        )
         monkeypatch.setattr(ascend_runtime, "connector", Connector(self.layerwise))
         self._spy_on_step(monkeypatch)
 
@@ -222,6 +224,26 @@ def test_layerwise_loads_land_before_each_attention_op(model: AscendModel) -> No
     ascend_runtime.device.synchronize()  # the fake kernels run on their own stream
     block_bytes = model.rig.caches[0, 0].shape[1]
     assert seen == {name: (50 + i) * block_bytes * len(BLOCKS) for i, name in enumerate(NAMES)}
+
+
+def test_a_load_raising_in_a_window_fails_the_loads_not_the_forward(
+    npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client error in the first window's get: the step drains, the other windows pass
+    through, and every load of the step is reported failed (vLLM recomputes)."""
+    store = ClientFailsReads()
+    model = AscendModel(lambda: make_event("npu"), monkeypatch, store)
+    try:
+        model.rig.strategy.begin_step([], model.rig.transfers(BLOCKS))
+        model.forward(fill=50)
+        model.layerwise.end_step()
+        store.broken = True
+        model.layerwise.begin_step(model.rig.transfers(BLOCKS), [])
+        model.forward(fill=60)  # raised out of the first attention op before
+        assert model.layerwise.finish_loads()
+        assert model.layerwise.end_step().loads.failed_blocks == {0: set(BLOCKS)}
+    finally:
+        model.close()
 
 
 def test_outside_a_step_the_patched_paths_run_unwindowed(

@@ -77,3 +77,25 @@ def test_a_checkpoint_inside_a_block_or_moved_back_by_eagle_is_not_saved(
 def test_mamba_layers_without_checkpoints_save_their_blocks_as_before(vllm_specs: Any) -> None:
     """LFM2's short conv and other Mamba-type layers keep no checkpoint column."""
     assert _mamba_saves(vllm_specs, hash_unit=16, eagle=False, checkpoint_blocks=0) == [(2, 77)]
+
+
+def test_a_skipped_checkpoint_block_stays_unsaved_when_planned_again(vllm_specs: Any) -> None:
+    """A failed load hands blocks back (`scanned` moves below the checkpoint column): a
+    later step, which writes no checkpoint, must not save the column it skipped."""
+    kv_cache_config = _kv_cache_config(vllm_specs, hash_unit=16)
+    plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1], ModelShape(1, 2))
+    checkpoints = prefill_checkpoints(
+        SimpleNamespace(speculative_config=None), kv_cache_config, plan
+    )
+    side = SchedulerSide(
+        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [False] * len(keys),
+        checkpoints=checkpoints,
+    )  # fmt: skip
+    r = request("r", PROMPT)
+    side.after_alloc(r, TABLES, 0)
+    output = scheduler_output(new=[("r", TABLES, 0, len(PROMPT))], tables={"r": TABLES})
+    side.build_meta(output)
+    side.loads_failed((), (), {("r", 1, 1)})
+    r.all_token_ids = [*PROMPT, 5]
+    meta = side.build_meta(scheduler_output(cached=[("r", 230, 1)], tables={"r": TABLES}))
+    assert [(ref.group, ref.index) for t in meta.requests for ref in t.saves] == []

@@ -6,11 +6,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from layerwise_rig import ATTENTION, MIXER, Rig, wait_until
+from layerwise_rig import ATTENTION, MIXER, ClientFailsReads, Rig, wait_until
 
 from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
 from hybridkv.integration.strategy import StateCopyJob
-from hybridkv.transport import BlockTransfer, MemoryStore
+from hybridkv.transport import BlockTransfer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -199,17 +199,6 @@ def test_without_running_hooks_a_loaded_state_is_copied_before_the_forward(rig: 
     layerwise.close()
 
 
-class ClientFailsReads(MemoryStore):
-    """Ranged reads raise once `broken`: an error of the client, not a store status."""
-
-    broken = False
-
-    def get_ranges(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broken:
-            raise RuntimeError("the client broke")
-        return super().get_ranges(*args, **kwargs)
-
-
 def _other_saves(rig: Rig) -> list[BlockTransfer]:
     return [
         BlockTransfer(save.key, save.group, save.local_block, "req-2", save.block_index)
@@ -218,10 +207,12 @@ def _other_saves(rig: Rig) -> list[BlockTransfer]:
 
 
 def _failed_every_load(layerwise: VllmLayerwise, rig: Rig, loads: dict[int, set[int]]) -> None:
-    """The step ends with its loads failed (`loads`: those it reports) and nothing saved."""
+    """The step ends with `loads` failed (vLLM recomputes them) and nothing saved; no
+    object is blamed (quarantined): the client raised, not a read of them."""
     assert layerwise.finish_loads()
     end = layerwise.end_step()
     assert end.loads.failed_blocks == loads
+    assert end.loads.failed_keys == []
     assert end.saves is None
     assert not any(rig.readable(group, SAVED, "n") for group in (0, 1, 2))
 
@@ -254,7 +245,7 @@ def test_a_step_whose_begin_raised_lets_its_forward_through(rig: Rig) -> None:
     with pytest.raises(ValueError, match="9"):
         layerwise.begin_step([unknown_group], _other_saves(rig))
     forward(layerwise, rig, ctx[MIXER], 0)
-    _failed_every_load(layerwise, rig, {})  # the worker reports what begin_step raised
+    _failed_every_load(layerwise, rig, {9: {0}})
     layerwise.close()
 
 

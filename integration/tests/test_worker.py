@@ -590,3 +590,29 @@ def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs
     assert worker.take_unsaved() == {("b", 0, 2), ("b", 1, 1)}  # its load, its save
     assert store.batch_is_readable(_keys(worker, load.saves)) == [False]
     worker.close()
+
+
+@pytest.mark.parametrize("strategy", ["whole", "layerwise"])
+def test_a_state_copy_raising_after_its_load_fails_that_load_once(
+    vllm_specs: Any, strategy: str
+) -> None:
+    """The load itself succeeded but its state never reached the block the kernel reads:
+    the load counts as failed, once, and as nothing loaded."""
+    keys, _, layouts = _model(vllm_specs)
+    engine = TransferEngine(MemoryStore(), layouts)
+
+    def broken_copy(src: int, dst: int, names: Any) -> None:
+        raise RuntimeError("the copy failed")
+
+    worker = WorkerSide(keys, engine, STRATEGIES[strategy](engine), 0, CpuEvent, broken_copy)
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(1, 1, 7)]))])
+    worker.counters.take()
+    copied = RequestTransfers(
+        request_id="b", loads=_refs([(1, 1, 5)]), copies=[StateCopy(group=1, src=5, dst=6)]
+    )
+    _step(worker, [copied])
+    assert worker.take_load_errors() == {5}
+    stats = worker.counters.snapshot()
+    assert stats["failed_load_blocks"] == 1
+    assert not stats.get("loaded_bytes")
+    worker.close()

@@ -101,10 +101,8 @@ class VllmLayerwise:
         self._loads: list[BlockTransfer] = []
         # A hook of this step raised (an error of the client, not a store failure, which
         # the transport reports per block): the step was drained, the rest of the forward
-        # passes through, every load counts as failed. `_unreported`: the error was not
-        # raised to the worker (which reports what `begin_step` raises), `end_step` does.
+        # passes through, every load counts as failed.
         self._step_raised = False
-        self._unreported = False
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
@@ -133,7 +131,7 @@ class VllmLayerwise:
         self._open_windows.clear()
         self._state_copies.clear()
         self._loads = list(loads)
-        self._step_raised = self._unreported = False
+        self._step_raised = False
         with self._failing_the_step():
             self.strategy.begin_step(loads, saves, hold_saves)
             if loads and not self._hooks_fire and self._plan.state:
@@ -167,6 +165,19 @@ class VllmLayerwise:
         """vLLM's `save_kv_layer`."""
         self._guarded(lambda: self._leave(layer_name), None)
 
+    @contextmanager
+    def window(self, name: str) -> Iterator[None]:
+        """An attention op wrapped where vLLM gives no window (vLLM-Ascend's installer):
+        its entry and checkpoint pass through an error of ours as the connector hooks do;
+        the op's own error drains the step and propagates."""
+        self._guarded(lambda: self.strategy.enter(name), None)
+        try:
+            yield
+        except BaseException:
+            self.strategy.abort()
+            raise
+        self._guarded(self.strategy.checkpoint, None)
+
     def _enter(self, layer_name: str) -> None:
         if layer_name in self._plan.windows:
             self.strategy.enter(layer_name)
@@ -197,8 +208,8 @@ class VllmLayerwise:
             lambda: (self.strategy.wait_all_loads(), self.strategy.wait_for_save(keep_saves)),
             None,
         )
-        if ended is None:  # the step was drained when it raised
-            return StepEnd(all_failed(loads) if self._unreported else TransferResult())
+        if ended is None:  # the step was drained when it raised (perhaps a put)
+            return StepEnd(all_failed(loads, blame_keys=False))
         failed, result = ended
         if result is None:
             return StepEnd(TransferResult())
@@ -235,7 +246,6 @@ class VllmLayerwise:
                 return call()
         except Exception:
             log.exception("hybridkv: layerwise step failed; its loads are recomputed")
-            self._unreported = True
             return fallback
 
     @contextmanager
@@ -320,7 +330,9 @@ def build_vllm_layerwise(
     if on_npu:
         from hybridkv.integration.ascend import install_ascend_windows
 
-        windows = install_ascend_windows(strategy, static_forward_context, vllm_config)
+        windows = install_ascend_windows(
+            strategy, static_forward_context, vllm_config, window=layerwise.window
+        )
         layerwise._uninstall.append(windows.uninstall)
     layerwise.install_state_hooks(static_forward_context)
     return layerwise

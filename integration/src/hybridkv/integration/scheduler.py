@@ -53,6 +53,9 @@ class _Tracked:
     scanned: list[int]
     # Fallback block table when vLLM offers no current tables (append-only mirror).
     block_ids: list[list[int]] = field(default_factory=list)
+    # (plan group, block index) of blocks holding a Mamba checkpoint other than their end
+    # state: never saved, even when a failed load moves `scanned` back below them.
+    inner: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -365,6 +368,10 @@ class SchedulerSide:
         table = current if current is not None else tracked.block_ids
         saves: list[BlockRef] = []
         for group, plan in enumerate(self.plan.groups):
+            if self._checkpoints is not None:
+                inner = self._checkpoints.misplaced_block(group, start, done)
+                if inner is not None:
+                    tracked.inner.add((group, inner))
             size = plan.block_size
             complete = upto // size
             first = tracked.scanned[group]
@@ -376,19 +383,14 @@ class SchedulerSide:
             if complete > len(tracked.store_mask[group]):  # decode went past the mask
                 tracked.store_mask = self.coordinator.store_mask(upto)
             mask = tracked.store_mask[group]
-            inner = (
-                self._checkpoints.misplaced_block(group, start, done)
-                if self._checkpoints is not None
-                else None
-            )
             for block in range(first, min(complete, len(ids))):
                 # Null: a window or a state vLLM already dropped; it is never coming back.
-                # `inner`: a state that is not the one at the block's end.
+                # Inner: a state that is not the one at the block's end.
                 if (
                     block < len(mask)
                     and mask[block]
                     and ids[block] != NULL_BLOCK_ID
-                    and block != inner
+                    and (group, block) not in tracked.inner
                 ):
                     stored = None
                     if self._events is not None:

@@ -89,12 +89,16 @@ class TransferStrategy(Protocol):
         """Drain whatever is open; nothing stays in flight or hooked into the model."""
 
 
-def all_failed(transfers: Sequence[BlockTransfer]) -> TransferResult:
-    """The result of transfers that raised instead of reporting per block."""
+def all_failed(transfers: Sequence[BlockTransfer], blame_keys: bool = True) -> TransferResult:
+    """The result of transfers that raised instead of reporting per block.
+
+    `blame_keys=False`: the objects are no suspects (the step failed, e.g. a put raised),
+    so no key is quarantined; vLLM still recomputes every block."""
     failed: dict[int, set[int]] = {}
     for transfer in transfers:
         failed.setdefault(transfer.group, set()).add(transfer.local_block)
-    return TransferResult(failed_blocks=failed, failed_keys=[t.key for t in transfers])
+    keys = [t.key for t in transfers] if blame_keys else []
+    return TransferResult(failed_blocks=failed, failed_keys=keys)
 
 
 class WholeBlocks:

@@ -215,8 +215,10 @@ class WorkerSide:
         back to the scheduler, which counted them as in the pool, to be saved once vLLM
         has recomputed them."""
         self._record_load(result)
-        lost = set(result.failed_keys)
-        self._leave_unsaved(load for load in loads if load.key in lost)
+        lost = {
+            (group, block) for group, blocks in result.failed_blocks.items() for block in blocks
+        }
+        self._leave_unsaved(load for load in loads if (load.group, load.local_block) in lost)
 
     def barrier(self) -> None:
         """Wait for every save issued so far: their source blocks may be reused next."""
@@ -284,8 +286,7 @@ class WorkerSide:
                 self.strategy.copy_loaded_states(self._state_copy_jobs(copies))
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
-            self._record_sync_load(all_failed(sync), sync)
-            if sync:  # the forward runs over blocks that were not loaded
+            if sync:  # the forward runs over blocks that were not loaded: reported at its end
                 self._loads_raised = True
                 self.strategy.discard_saves()
 
@@ -319,7 +320,8 @@ class WorkerSide:
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
         loads, self._sync_loads = self._sync_loads, []
-        self._record_sync_load(end.loads, loads)
+        # A begin that raised lost every load, whatever the strategy made of them.
+        self._record_sync_load(all_failed(loads) if self._loads_raised else end.loads, loads)
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)

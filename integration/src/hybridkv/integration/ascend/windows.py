@@ -25,11 +25,14 @@ import functools
 import importlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridkv.integration.window import LayerwiseStrategy
+
+# Opens the window of one attention layer around its op.
+Window = Callable[[str], AbstractContextManager[None]]
 
 
 class GraphModeNotSupportedError(RuntimeError):
@@ -156,17 +159,23 @@ _installed: AscendWindows | None = None
 class AscendWindows:
     """The patches of one installation; `uninstall()` puts every original back."""
 
-    def __init__(self, strategy: LayerwiseStrategy, impl_names: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        strategy: LayerwiseStrategy,
+        impl_names: Mapping[int, str],
+        window: Window | None = None,
+    ) -> None:
         self.strategy = strategy
+        self._window = window or strategy.window
         self._impl_names = dict(impl_names)
         self._originals: list[tuple[type, str, object]] = []
         self._dsa = threading.local()
 
     def window_for(self, name: str | None) -> Any:
-        """The strategy's window, or nothing outside a step / for a layer that never reports."""
+        """The window, or nothing outside a step / for a layer that never reports."""
         if name is None or not self.strategy.active or not self.strategy.reports(name):
             return nullcontext()
-        return self.strategy.window(name)
+        return self._window(name)
 
     def layer_name_of(self, impl: object) -> str | None:
         name = getattr(impl, "layer_name", None)
@@ -227,8 +236,11 @@ def install_ascend_windows(
     static_forward_context: Mapping[str, Any],
     vllm_config: Any,
     targets: tuple[WindowTarget, ...] = ASCEND_WINDOW_TARGETS,
+    window: Window | None = None,
 ) -> AscendWindows:
-    """Patch vLLM-Ascend's attention paths to run inside `strategy`'s windows.
+    """Patch vLLM-Ascend's attention paths to run inside `strategy`'s windows (opened by
+    `window(name)`, `strategy.window` by default: the worker passes its `VllmLayerwise`'s,
+    through which an error of ours never stops the forward).
 
     Installing again for the same strategy returns the live installation; a different
     strategy must uninstall the first (the patches are process-wide class attributes).
@@ -248,7 +260,7 @@ def install_ascend_windows(
             for name, module in static_forward_context.items()
             if getattr(module, "impl", None) is not None
         }
-        installation = AscendWindows(strategy, impl_names)
+        installation = AscendWindows(strategy, impl_names, window)
         installation._patch(targets)
         _installed = installation
         return installation
