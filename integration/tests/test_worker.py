@@ -612,6 +612,7 @@ def test_a_state_copy_raising_after_its_load_fails_that_load_once(
     )
     _step(worker, [copied])
     assert worker.take_load_errors() == {5}
+    assert worker.take_failed_keys() == set()  # the object read well: not quarantined
     stats = worker.counters.snapshot()
     assert stats["failed_load_blocks"] == 1
     assert not stats.get("loaded_bytes")

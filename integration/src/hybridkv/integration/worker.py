@@ -320,8 +320,10 @@ class WorkerSide:
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
         loads, self._sync_loads = self._sync_loads, []
-        # A begin that raised lost every load, whatever the strategy made of them.
-        self._record_sync_load(all_failed(loads) if self._loads_raised else end.loads, loads)
+        # A begin that raised lost every load, whatever the strategy made of them (the
+        # client raised: no object is to blame).
+        lost = all_failed(loads, blame_keys=False) if self._loads_raised else end.loads
+        self._record_sync_load(lost, loads)
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)
