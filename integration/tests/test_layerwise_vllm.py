@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -10,7 +10,7 @@ from layerwise_rig import ATTENTION, MIXER, ClientFailsReads, Rig, wait_until
 
 from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
 from hybridkv.integration.strategy import StateCopyJob
-from hybridkv.transport import BlockTransfer
+from hybridkv.transport import BlockTransfer, Status
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -162,13 +162,18 @@ class CopyRecorder:
 
 
 def _loaded_step(
-    rig: Rig, hooks_fire: bool, saves: Sequence[BlockTransfer] = ()
+    rig: Rig,
+    hooks_fire: bool,
+    saves: Sequence[BlockTransfer] = (),
+    failing: Callable[[str], bool] | None = None,
 ) -> tuple[VllmLayerwise, dict[str, Any]]:
     """Every layer stored (layer L holds 40 + L), caches cleared, a step loading it all
-    (and saving `saves`)."""
+    (and saving `saves`); reads of the keys `failing` picks fail."""
     for layer in range(4):
         rig.fill(layer, BLOCKS, 40 + layer)
     assert rig.engine.save(rig.transfers(BLOCKS, tag="s")).wait(timeout=10).ok
+    if failing is not None:
+        rig.store.fail_next("get_ranges", failing, Status.TRANSFER_FAILED, calls=100)
     for cache in rig.caches.values():
         cache[:] = 0
     ctx = context(rig)
@@ -246,6 +251,20 @@ def test_a_step_whose_begin_raised_lets_its_forward_through(rig: Rig) -> None:
         layerwise.begin_step([unknown_group], _other_saves(rig))
     forward(layerwise, rig, ctx[MIXER], 0)
     _failed_every_load(layerwise, rig, {9: {0}})
+    layerwise.close()
+
+
+def test_an_op_raising_in_a_window_fails_every_load_blaming_the_failed_read(rig: Rig) -> None:
+    """vLLM-Ascend's windows wrap the attention op: when it raises, the step drains and
+    the error propagates; every load counts as failed, the read that failed is blamed."""
+    failed = rig.key(0, BLOCKS[0], "s")
+    layerwise, _ = _loaded_step(rig, True, failing=failed.__eq__)
+    with pytest.raises(RuntimeError, match="kernel"), layerwise.window(ATTENTION[0]):
+        raise RuntimeError("the kernel failed")
+    assert layerwise.finish_loads()
+    end = layerwise.end_step()
+    assert end.loads.failed_blocks == {group: set(BLOCKS) for group in (0, 1, 2)}
+    assert end.loads.failed_keys == [failed]
     layerwise.close()
 
 

@@ -596,8 +596,9 @@ def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs
 def test_a_state_copy_raising_after_its_load_fails_that_load_once(
     vllm_specs: Any, strategy: str
 ) -> None:
-    """The load itself succeeded but its state never reached the block the kernel reads:
-    the load counts as failed, once, and as nothing loaded."""
+    """One load succeeded, but its state never reached the block the kernel reads; the
+    other's object is missing. Both count as failed, once, and as nothing loaded; only
+    the missing one is quarantined."""
     keys, _, layouts = _model(vllm_specs)
     engine = TransferEngine(MemoryStore(), layouts)
 
@@ -607,13 +608,14 @@ def test_a_state_copy_raising_after_its_load_fails_that_load_once(
     worker = WorkerSide(keys, engine, STRATEGIES[strategy](engine), 0, CpuEvent, broken_copy)
     _step(worker, [RequestTransfers(request_id="a", saves=_refs([(1, 1, 7)]))])
     worker.counters.take()
+    loads = _refs([(1, 1, 5), (1, 2, 4)])
     copied = RequestTransfers(
-        request_id="b", loads=_refs([(1, 1, 5)]), copies=[StateCopy(group=1, src=5, dst=6)]
+        request_id="b", loads=loads, copies=[StateCopy(group=1, src=5, dst=6)]
     )
     _step(worker, [copied])
-    assert worker.take_load_errors() == {5}
-    assert worker.take_failed_keys() == set()  # the object read well: not quarantined
+    assert worker.take_load_errors() == {4, 5}
+    assert worker.take_failed_keys() == set(_keys(worker, loads[1:]))
     stats = worker.counters.snapshot()
-    assert stats["failed_load_blocks"] == 1
+    assert stats["failed_load_blocks"] == 2
     assert not stats.get("loaded_bytes")
     worker.close()

@@ -101,8 +101,10 @@ class VllmLayerwise:
         self._loads: list[BlockTransfer] = []
         # A hook of this step raised (an error of the client, not a store failure, which
         # the transport reports per block): the step was drained, the rest of the forward
-        # passes through, every load counts as failed.
+        # passes through, every load counts as failed; those whose reads had failed before
+        # are blamed (quarantined).
         self._step_raised = False
+        self._failed_before_raise: dict[int, set[int]] = {}
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
@@ -132,6 +134,7 @@ class VllmLayerwise:
         self._state_copies.clear()
         self._loads = list(loads)
         self._step_raised = False
+        self._failed_before_raise = {}
         with self._failing_the_step():
             self.strategy.begin_step(loads, saves, hold_saves)
             if loads and not self._hooks_fire and self._plan.state:
@@ -171,11 +174,8 @@ class VllmLayerwise:
         its entry and checkpoint pass through an error of ours as the connector hooks do;
         the op's own error drains the step and propagates."""
         self._guarded(lambda: self.strategy.enter(name), None)
-        try:
+        with self._failing_the_step():
             yield
-        except BaseException:
-            self.strategy.abort()
-            raise
         self._guarded(self.strategy.checkpoint, None)
 
     def _enter(self, layer_name: str) -> None:
@@ -209,7 +209,9 @@ class VllmLayerwise:
             None,
         )
         if ended is None:  # the step was drained when it raised (perhaps a put)
-            return StepEnd(all_failed(loads, blame_keys=False))
+            failed = self._failed_before_raise
+            blamed = [t.key for t in loads if t.local_block in failed.get(t.group, ())]
+            return StepEnd(all_failed(loads, blamed))
         failed, result = ended
         if result is None:
             return StepEnd(TransferResult())
@@ -253,8 +255,9 @@ class VllmLayerwise:
         """An exception drains the step and lets the rest of the forward pass through."""
         try:
             yield
-        except Exception:
+        except BaseException:
             self._step_raised = True
+            self._failed_before_raise = self.strategy.failed_loads()  # their reads failed
             self.strategy.abort()
             raise
 

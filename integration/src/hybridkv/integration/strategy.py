@@ -89,15 +89,16 @@ class TransferStrategy(Protocol):
         """Drain whatever is open; nothing stays in flight or hooked into the model."""
 
 
-def all_failed(transfers: Sequence[BlockTransfer], blame_keys: bool = True) -> TransferResult:
-    """The result of transfers that raised instead of reporting per block.
-
-    `blame_keys=False`: the objects are no suspects (the step failed, e.g. a put raised),
-    so no key is quarantined; vLLM still recomputes every block."""
+def all_failed(
+    transfers: Sequence[BlockTransfer], blamed: Sequence[str] | None = None
+) -> TransferResult:
+    """The result of transfers that raised instead of reporting per block: vLLM
+    recomputes every block. `blamed`: the keys to quarantine (None: every key); a step
+    that failed as a whole (e.g. a put raised) blames only reads that failed before."""
     failed: dict[int, set[int]] = {}
     for transfer in transfers:
         failed.setdefault(transfer.group, set()).add(transfer.local_block)
-    keys = [t.key for t in transfers] if blame_keys else []
+    keys = [t.key for t in transfers] if blamed is None else list(blamed)
     return TransferResult(failed_blocks=failed, failed_keys=keys)
 
 

@@ -322,7 +322,7 @@ class WorkerSide:
         loads, self._sync_loads = self._sync_loads, []
         # A begin that raised lost every load, whatever the strategy made of them (the
         # client raised: no object is to blame).
-        lost = all_failed(loads, blame_keys=False) if self._loads_raised else end.loads
+        lost = all_failed(loads, end.loads.failed_keys) if self._loads_raised else end.loads
         self._record_sync_load(lost, loads)
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
