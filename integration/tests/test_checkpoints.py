@@ -35,24 +35,36 @@ def _kv_cache_config(vllm_specs: Any, hash_unit: int, checkpoint_blocks: int = 1
     )
 
 
-def _mamba_saves(vllm_specs: Any, hash_unit: int, eagle: bool, checkpoint_blocks: int = 1) -> Any:
-    """The Mamba blocks (index, block id) planned for saving after the 230-token chunk."""
+def _side(
+    vllm_specs: Any, hash_unit: int, eagle: bool = False, checkpoint_blocks: int = 1
+) -> SchedulerSide:
+    """The connector's scheduler side for attention beside a Mamba2-like layer."""
     kv_cache_config = _kv_cache_config(vllm_specs, hash_unit, checkpoint_blocks)
     plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1], ModelShape(1, 2))
     speculative = SimpleNamespace(use_eagle_block_drop=lambda: eagle) if eagle else None
     vllm_config = SimpleNamespace(speculative_config=speculative)
     checkpoints = prefill_checkpoints(vllm_config, kv_cache_config, plan)
     assert (checkpoints is None) == (checkpoint_blocks == 0)
-    side = SchedulerSide(
+    return SchedulerSide(
         KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [False] * len(keys),
         checkpoints=checkpoints,
     )  # fmt: skip
+
+
+def _prefill(side: SchedulerSide) -> tuple[Any, list[Any]]:
+    """Request r prefilled in one 230-token chunk, and the saves planned for it."""
     r = request("r", PROMPT)
     side.num_new_matched_tokens(r, 0)
     side.after_alloc(r, TABLES, 0)
     output = scheduler_output(new=[("r", TABLES, 0, len(PROMPT))], tables={"r": TABLES})
     (transfers,) = side.build_meta(output).requests
-    return [(ref.index, ref.block_id) for ref in transfers.saves if ref.group == 1]
+    return r, list(transfers.saves)
+
+
+def _mamba_saves(vllm_specs: Any, hash_unit: int, eagle: bool, checkpoint_blocks: int = 1) -> Any:
+    """The Mamba blocks (index, block id) planned for saving after the 230-token chunk."""
+    _, saves = _prefill(_side(vllm_specs, hash_unit, eagle, checkpoint_blocks))
+    return [(ref.index, ref.block_id) for ref in saves if ref.group == 1]
 
 
 def test_a_checkpoint_at_the_block_end_is_saved(vllm_specs: Any) -> None:
@@ -82,19 +94,8 @@ def test_mamba_layers_without_checkpoints_save_their_blocks_as_before(vllm_specs
 def test_a_skipped_checkpoint_block_stays_unsaved_when_planned_again(vllm_specs: Any) -> None:
     """A failed load hands blocks back (`scanned` moves below the checkpoint column): a
     later step, which writes no checkpoint, must not save the column it skipped."""
-    kv_cache_config = _kv_cache_config(vllm_specs, hash_unit=16)
-    plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1], ModelShape(1, 2))
-    checkpoints = prefill_checkpoints(
-        SimpleNamespace(speculative_config=None), kv_cache_config, plan
-    )
-    side = SchedulerSide(
-        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [False] * len(keys),
-        checkpoints=checkpoints,
-    )  # fmt: skip
-    r = request("r", PROMPT)
-    side.after_alloc(r, TABLES, 0)
-    output = scheduler_output(new=[("r", TABLES, 0, len(PROMPT))], tables={"r": TABLES})
-    side.build_meta(output)
+    side = _side(vllm_specs, hash_unit=16)
+    r, _ = _prefill(side)
     side.loads_failed((), (), {("r", 1, 1)})
     r.all_token_ids = [*PROMPT, 5]
     meta = side.build_meta(scheduler_output(cached=[("r", 230, 1)], tables={"r": TABLES}))
