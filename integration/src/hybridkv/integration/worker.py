@@ -140,9 +140,8 @@ class WorkerSide:
         # saves left out because their step computed over a failed load, and blocks whose
         # own load failed (vLLM recomputes them).
         self._unsaved: set[tuple[str, int, int]] = set()
-        self._sync_loads: list[BlockTransfer] = []
+        self._sync_loads: list[BlockTransfer] = []  # the step's loads before or in its forward
         self._steps_scheduled_blind = 0  # coming steps vLLM scheduled before a failed load
-        self._step_loads = False  # the step loads before or during its forward
         self._loads_raised = False
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
@@ -268,7 +267,6 @@ class WorkerSide:
         self._count(loaded_blocks=loaded_blocks)
         self._step_saves = saves
         self._sync_loads = sync
-        self._step_loads = bool(sync)
         self._loads_raised = False
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
@@ -314,7 +312,7 @@ class WorkerSide:
         `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
         has recomputed them."""
         failed = self.strategy.finish_loads() or self._loads_raised
-        if self._step_loads and self._any_rank is not None:
+        if self._sync_loads and self._any_rank is not None:
             failed = self._any_rank(failed)  # every rank, every step that loads
         end: StepEnd = self.strategy.end_step(keep_saves=not failed)
         announce, self._announce = self._announce, {}
