@@ -161,13 +161,13 @@ class ChildProcess:
                 )
             time.sleep(0.05)
 
-    def kill(self, keep_log: bool = False) -> None:
+    def kill(self) -> None:
         """SIGKILL now, as a crash would (fault tests); a log of our own goes with it."""
         with contextlib.suppress(ProcessLookupError):
             self._popen.send_signal(signal.SIGKILL)
         self._popen.wait()
         self._forget()
-        self._drop_log(keep_log)
+        self._drop_log(keep=False)
 
     def stop(self, timeout_s: float = 10.0, keep_log: bool = False) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; idempotent. A log
