@@ -181,7 +181,9 @@ def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
     early.fill()
     late.fill()
     saves = transfers(blocks, prefix=prefix)
-    with engine_for(first_store, early, "layer") as first:
+    # backlog=0: the checkpoint returns once the first layer went out, so the first
+    # instance's put sessions are open before the second saves (not racing it)
+    with engine_for(first_store, early, "layer", backlog=0) as first:
         step = first.begin_layerwise(saves=saves)
         step.save_layer(0, CpuEvent())
         step.checkpoint()
