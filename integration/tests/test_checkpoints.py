@@ -1,4 +1,5 @@
-"""Mamba2 / KDA prefill checkpoints: a state block holding an inner state is never saved."""
+"""Mamba2 / KDA prefill checkpoints: a state block holding an inner state is never saved
+as its block, and a prompt's last one is saved as the prompt tail at its position."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 
 import pytest
 from conftest import attention, groups, mamba, request, scheduler_output
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hybridkv.integration.checkpoints import prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig
@@ -36,29 +39,50 @@ def _kv_cache_config(vllm_specs: Any, hash_unit: int, checkpoint_blocks: int = 1
 
 
 def _side(
-    vllm_specs: Any, hash_unit: int, eagle: bool = False, checkpoint_blocks: int = 1
+    vllm_specs: Any,
+    hash_unit: int,
+    eagle: bool = False,
+    checkpoint_blocks: int = 1,
+    pool: set[str] | None = None,
 ) -> SchedulerSide:
-    """The connector's scheduler side for attention beside a Mamba2-like layer."""
+    """The connector's scheduler side for attention beside a Mamba2-like layer; with a
+    `pool` (the keys it holds), prompt tails at multiples of the hash unit."""
     kv_cache_config = _kv_cache_config(vllm_specs, hash_unit, checkpoint_blocks)
     plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1], ModelShape(1, 2))
     speculative = SimpleNamespace(use_eagle_block_drop=lambda: eagle) if eagle else None
     vllm_config = SimpleNamespace(speculative_config=speculative)
     checkpoints = prefill_checkpoints(vllm_config, kv_cache_config, plan)
     assert (checkpoints is None) == (checkpoint_blocks == 0)
+    held = pool if pool is not None else set()
     return SchedulerSide(
-        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [False] * len(keys),
-        checkpoints=checkpoints,
+        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [k in held for k in keys],
+        tail_unit=hash_unit if pool is not None else 0, checkpoints=checkpoints,
     )  # fmt: skip
 
 
-def _prefill(side: SchedulerSide) -> tuple[Any, list[Any]]:
-    """Request r prefilled in one 230-token chunk, and the saves planned for it."""
-    r = request("r", PROMPT)
+def _prefill(
+    side: SchedulerSide, prompt: list[int] = PROMPT, chunk: int | None = None
+) -> tuple[Any, list[Any]]:
+    """Request r prefilled in one chunk (the whole prompt unless `chunk` tokens), and the
+    saves planned for it."""
+    r = request("r", prompt)
     side.num_new_matched_tokens(r, 0)
     side.after_alloc(r, TABLES, 0)
-    output = scheduler_output(new=[("r", TABLES, 0, len(PROMPT))], tables={"r": TABLES})
+    scheduled = len(prompt) if chunk is None else chunk
+    output = scheduler_output(new=[("r", TABLES, 0, scheduled)], tables={"r": TABLES})
     (transfers,) = side.build_meta(output).requests
     return r, list(transfers.saves)
+
+
+def _put(side: SchedulerSide, pool: set[str], saves: list[Any]) -> None:
+    for ref in saves:
+        storing = range(side.plan.groups[ref.group].heads.storing)
+        pool.update(side.keys.keys(ref.group, [ref.block_hash], storing))
+
+
+def _tails(saves: list[Any]) -> list[tuple[int, int, int, int]]:
+    """(plan group, block index, local block id, tokens) of the prompt tails saved."""
+    return [(ref.group, ref.index, ref.block_id, ref.tail) for ref in saves if ref.tail]
 
 
 def _mamba_saves(vllm_specs: Any, hash_unit: int, eagle: bool, checkpoint_blocks: int = 1) -> Any:
@@ -100,3 +124,128 @@ def test_a_skipped_checkpoint_block_stays_unsaved_when_planned_again(vllm_specs:
     r.all_token_ids = [*PROMPT, 5]
     meta = side.build_meta(scheduler_output(cached=[("r", 230, 1)], tables={"r": TABLES}))
     assert [(ref.group, ref.index) for t in meta.requests for ref in t.saves] == []
+
+
+@pytest.mark.parametrize("hash_unit", [16, 32])
+def test_a_prompt_s_last_checkpoint_is_stored_as_its_tail_and_resumed_there(
+    vllm_specs: Any, hash_unit: int
+) -> None:
+    """One 230-token chunk leaves no state at any block end, only the state after 224
+    tokens in column 2: stored as the tail at 224 (attention's block 3 beside it), so a
+    resend resumes there, as vLLM's own cache does, not at 0."""
+    pool: set[str] = set()
+    side = _side(vllm_specs, hash_unit, pool=pool)
+    _, saves = _prefill(side)
+    assert _tails(saves) == [(0, 3, 4, 224), (1, 3, 77, 224)]
+    assert [ref.index for ref in saves if ref.group == 1 and not ref.tail] == []
+    _put(side, pool, saves)
+    reader = _side(vllm_specs, hash_unit, pool=pool)
+    again = request("again", PROMPT)
+    assert reader.num_new_matched_tokens(again, 0) == (224, False)
+    tables = ([11, 12, 13, 14], [0, 0, 0, 88])
+    reader.after_alloc(again, tables, 224)
+    output = scheduler_output(new=[("again", tables, 224, 6)], tables={"again": tables})
+    (transfers,) = reader.build_meta(output).requests
+    loads = {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads}
+    assert loads == {(0, 0, 11, 0), (0, 1, 12, 0), (0, 2, 13, 0), (0, 3, 14, 224)} | {
+        (1, 3, 88, 224)
+    }
+    # Without the state's tail the attention blocks alone give nothing.
+    (state,) = [ref for ref in saves if ref.tail and ref.group == 1]
+    pool -= set(side.keys.keys(1, [state.block_hash], [0]))
+    assert reader.num_new_matched_tokens(request("third", PROMPT), 0) == (0, False)
+
+
+def test_a_prompt_ending_on_a_unit_leaves_two_tails(vllm_specs: Any) -> None:
+    """240 tokens: the checkpoint after 224 (a resend's hit, capped at 239) and the
+    chunk's own end at 240, the state in the running block (a longer prompt's hit)."""
+    pool: set[str] = set()
+    side = _side(vllm_specs, 16, pool=pool)
+    prompt = list(range(1000, 1240))
+    _, saves = _prefill(side, prompt)
+    assert _tails(saves) == [(0, 3, 4, 240), (1, 3, 78, 240), (0, 3, 4, 224), (1, 3, 77, 224)]
+    _put(side, pool, saves)
+    reader = _side(vllm_specs, 16, pool=pool)
+    assert reader.num_new_matched_tokens(request("resent", prompt), 0) == (224, False)
+    longer = request("longer", [*prompt, 5, 6, 7])
+    assert reader.num_new_matched_tokens(longer, 0) == (240, False)
+
+
+def test_a_checkpoint_of_a_chunk_before_the_prompt_s_last_is_no_tail(vllm_specs: Any) -> None:
+    """vLLM ends a Mamba2 prompt's earlier chunks at block ends; their checkpoint (after
+    176 tokens in a chunk ending at 192, column 1) is not where vLLM's own cache hits."""
+    side = _side(vllm_specs, 16, pool=set())
+    _, saves = _prefill(side, list(range(1000, 1300)), chunk=192)
+    assert _tails(saves) == []
+    assert [(ref.group, ref.index) for ref in saves if ref.group == 1] == [(1, 2)]
+
+
+def test_no_checkpoint_tail_while_another_state_group_keeps_no_checkpoint(
+    vllm_specs: Any,
+) -> None:
+    """Beside a layer without checkpoints (a short conv), whose block 3 holds the state
+    after the chunk's 230 tokens, no state after 224 exists for every group."""
+    conv = mamba(vllm_specs, block_size=64)
+    mixer = mamba(
+        vllm_specs, block_size=64, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
+    )
+    kinds = [(["attn"], attention(vllm_specs, block_size=64)), (["mixer"], mixer), (["conv"], conv)]
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=groups(vllm_specs, *kinds),
+        hash_block_size=16,
+        cache_hit_alignment_tokens=16,
+    )
+    plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1, 2], ModelShape(1, 2))
+    checkpoints = prefill_checkpoints(
+        SimpleNamespace(speculative_config=None), kv_cache_config, plan
+    )
+    side = SchedulerSide(
+        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [False] * len(keys),
+        tail_unit=16, checkpoints=checkpoints,
+    )  # fmt: skip
+    r = request("r", PROMPT)
+    side.num_new_matched_tokens(r, 0)
+    tables = ([1, 2, 3, 4], [0, 0, 77, 78], [0, 0, 0, 99])
+    side.after_alloc(r, tables, 0)
+    output = scheduler_output(new=[("r", tables, 0, len(PROMPT))], tables={"r": tables})
+    (transfers,) = side.build_meta(output).requests
+    assert _tails(transfers.saves) == []
+
+
+@given(
+    st.integers(0, 5000),
+    st.integers(1, 64),
+    st.sampled_from([16, 32, 64]),
+    st.sampled_from([64, 128]),
+    st.booleans(),
+)
+def test_vllm_s_rule_puts_no_checkpoint_in_a_chunk_of_a_unit_or_less(
+    start: int, length: int, unit: int, block_size: int, eagle: bool
+) -> None:
+    """The premise of `inner` skipping vLLM's rule for such chunks (decode steps)."""
+    from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
+    length = min(length, unit)
+    _, (column,) = compute_mamba_prefill_checkpoints(
+        [start + length], [length], unit, block_size, 1, eagle, unit
+    )
+    assert column == -1
+
+
+def test_decode_steps_do_not_ask_vllm_s_rule(vllm_specs: Any, monkeypatch: Any) -> None:
+    from vllm.model_executor.layers.mamba import checkpoint
+
+    side = _side(vllm_specs, 16, pool=set())
+    r, _ = _prefill(side)
+    asked = []
+    real = checkpoint.compute_mamba_prefill_checkpoints
+    monkeypatch.setattr(
+        checkpoint,
+        "compute_mamba_prefill_checkpoints",
+        lambda *args: asked.append(args) or real(*args),
+    )
+    r.all_token_ids = [*PROMPT, 5]
+    side.build_meta(scheduler_output(cached=[("r", 230, 1)], tables={"r": TABLES}))
+    assert asked == []
+    side.build_meta(scheduler_output(cached=[("r", 231, 17)], tables={"r": TABLES}))
+    assert len(asked) == 1

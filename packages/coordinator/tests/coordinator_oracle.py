@@ -134,25 +134,37 @@ def tail_hit(
     use_eagle: bool,
     max_tokens: int,
     unit: int,
+    limit: int,
     is_readable: IsReadable,
     is_tail_readable: Callable[[int, int], bool],
 ) -> tuple[int, tuple[tuple[bool, ...], ...]]:
-    """The aligned hit, extended to the largest multiple of `unit` inside the smallest
-    block after it whose needs are readable: full blocks as such, the block holding the
-    boundary's last token as that group's partial object (`is_tail_readable(group, T)`)."""
+    """The aligned hit, extended to the largest multiple of `unit` up to `max_tokens`
+    ending inside a block of every group whose needs are readable: full blocks as such,
+    the block holding the boundary's last token as that group's partial object
+    (`is_tail_readable(group, T)`), among the `limit` largest whose full blocks are."""
     hit, masks = find_hit(groups, alignment, use_eagle, max_tokens, is_readable)
     if use_eagle:
         return hit, masks
-    smallest = min(kind.block_size for kind in groups)
-    for tokens in range(max_tokens, hit, -1):
-        if tokens % unit or tokens >= hit + smallest:
-            continue
+    inside = [
+        tokens
+        for tokens in range(max_tokens, hit, -1)
+        if tokens % unit == 0 and all(tokens % kind.block_size for kind in groups)
+    ]
+    whole = [
+        tokens
+        for tokens in inside
         if all(
-            is_tail_readable(group, tokens)
-            if block == tokens // kind.block_size
-            else is_readable(group, block)
+            is_readable(group, block)
             for group, kind in enumerate(groups)
             for block in needs(kind, tokens)
+            if block != tokens // kind.block_size
+        )
+    ]
+    for tokens in whole[:limit]:
+        if all(
+            is_tail_readable(group, tokens)
+            for group, kind in enumerate(groups)
+            if tokens // kind.block_size in needs(kind, tokens)
         ):
             return tokens, tuple(
                 as_mask(needs(kind, tokens), -(-tokens // kind.block_size)) for kind in groups

@@ -161,9 +161,9 @@ def test_store_then_lookup_finds_the_aligned_prefix(
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.data(), cases(), TOKENS, st.sampled_from([1, 3, 4, 8]))
+@given(st.data(), cases(), TOKENS, st.sampled_from([1, 3, 4, 8]), st.integers(0, 6))
 def test_tail_hit_matches_oracle(
-    data: st.DataObject, case: Case, max_tokens: int, unit: int
+    data: st.DataObject, case: Case, max_tokens: int, unit: int, limit: int
 ) -> None:
     """The aligned hit from one batched query, then one more query about the partial
     objects of the tail boundaries, gives the oracle's largest usable boundary."""
@@ -179,27 +179,33 @@ def test_tail_hit_matches_oracle(
         for tokens in tails
         if data.draw(st.integers(0, 5), label="group keeps it") > 0
     }
-    candidates = coord.tail_boundaries(hit.tokens, max_tokens, unit)
-    assert candidates == sorted(candidates, reverse=True)
-    assert all(coord.is_tail_boundary(tokens) for tokens in candidates)
+    readable = reader(columns) if data.draw(st.booleans(), label="asked lazily") else columns
+    candidates = coord.tail_hits(hit.tokens, max_tokens, unit, readable, limit)
+    assert len(candidates) <= limit
+    assert [tail.tokens for tail in candidates] == sorted(
+        {tail.tokens for tail in candidates}, reverse=True
+    )
+    assert all(coord.is_tail_boundary(tail.tokens) for tail in candidates)
+    assert all(tail == coord.tail_hit(tail.tokens) for tail in candidates)
     # A group needs its partial object where its tail mask ends marked (a window of one
     # sees no earlier token, so needs none).
     usable = [
-        tokens
-        for tokens in candidates
+        tail
+        for tail in candidates
         if all(
-            (group, tokens) in stored_tails
-            for group, mask in enumerate(coord.tail_hit(tokens).load_masks)
+            (group, tail.tokens) in stored_tails
+            for group, mask in enumerate(tail.load_masks)
             if mask[-1]
         )
     ]
-    got = coord.tail_hit(usable[0]) if usable else hit
+    got = usable[0] if usable else hit
     expected = oracle.tail_hit(
         case.groups,
         case.alignment,
         case.use_eagle,
         max_tokens,
         unit,
+        limit,
         reader(columns),
         lambda group, tokens: (group, tokens) in stored_tails,
     )

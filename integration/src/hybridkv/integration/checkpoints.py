@@ -7,8 +7,10 @@ state at an inner position (the last hash-unit multiple before the chunk end, on
 unit back under EAGLE's block drop) into the block before the chunk's last one. Where
 that position is not the block's end (hash units smaller than the block, or EAGLE), the
 block must not be stored under its boundary's key: a reader would take a later (or
-earlier) state for it. The positions come from vLLM's own `compute_mamba_prefill_checkpoints`,
-the rule its kernels write by, so the two never disagree.
+earlier) state for it; it is stored as the prompt tail of that position instead, which is
+where vLLM's own prefix cache hits it. The positions come from vLLM's own
+`compute_mamba_prefill_checkpoints`, the rule its kernels write by, so the two never
+disagree.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ class CheckpointRule:
 
 
 @dataclass(frozen=True)
+class InnerCheckpoint:
+    """A chunk left block `block` holding the state after `tokens` tokens, not its end's."""
+
+    tokens: int
+    block: int
+
+
+@dataclass(frozen=True)
 class PrefillCheckpoints:
     """The Mamba groups (plan group -> rule) whose prefill chunks write inner checkpoints."""
 
@@ -37,11 +47,13 @@ class PrefillCheckpoints:
     alignment_tokens: int
     drop_eagle_block: bool
 
-    def misplaced_block(self, group: int, query_start: int, query_end: int) -> int | None:
+    def inner(self, group: int, query_start: int, query_end: int) -> InnerCheckpoint | None:
         """The block of plan group `group` that the chunk [query_start, query_end) leaves
         holding a state other than the one at its end, if any."""
         rule = self.rules.get(group)
-        if rule is None:
+        # vLLM's rule puts a checkpoint a unit or more past the chunk's start, never in a
+        # decode step: those skip the call (every step of every running request asks).
+        if rule is None or query_end - query_start <= self.hash_block_size:
             return None
         from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
 
@@ -54,9 +66,10 @@ class PrefillCheckpoints:
             self.drop_eagle_block,
             self.alignment_tokens,
         )
-        if column < 0 or query_start + offset == (column + 1) * rule.block_size:
+        tokens = query_start + offset
+        if column < 0 or tokens == (column + 1) * rule.block_size:
             return None
-        return int(column)
+        return InnerCheckpoint(tokens, int(column))
 
 
 def prefill_checkpoints(

@@ -8,21 +8,22 @@ the step that completes it (a Mamba block holds the state at its end only then).
 
 Prompt tails: where vLLM's own prefix cache hits inside blocks (a Mamba "align" model with
 a `prefix_match_unit` finer than its blocks), vLLM ends a prompt's chunk at its last
-multiple of that unit. The step that ends there also stores each group's block holding
-that prefix as a partial object, named by the prefix's hash; a lookup then asks, in a
-second query, whether such objects extend its aligned hit into the next block.
+multiple of that unit, or (Mamba2, KDA) has the prompt's last chunk write the state there
+into a checkpoint block. The step that leaves such a prefix stores each group's block
+holding it as a partial object, named by the prefix's hash; a lookup then asks, in a
+second query, whether such objects extend its aligned hit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
-from hybridkv.integration.checkpoints import PrefillCheckpoints
+from hybridkv.integration.checkpoints import InnerCheckpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
@@ -85,7 +86,8 @@ class SchedulerSide:
         `load_async_required`: load in the background even if `load_async` is off (vLLM
         recovers from a failed load of a hybrid model only while the request waits).
         `clock`: the time that quarantined keys are released by. `checkpoints`: the Mamba
-        groups whose prefill chunks leave a block holding an inner state (never saved)."""
+        groups whose prefill chunks leave a block holding an inner state (saved only as a
+        prompt tail)."""
         self._checkpoints = checkpoints
         self.keys = keys
         self._events = events
@@ -95,6 +97,12 @@ class SchedulerSide:
         self._saves = config.saves_for(kv_role)
         self.coordinator = self.plan.coordinator()
         self._tail_unit = tail_unit if config.prompt_tails else 0
+        # Tail boundaries asked about per lookup: one block's worth, the largest first.
+        self._tail_candidates = (
+            max(group.block_size for group in self.plan.groups) // self._tail_unit
+            if self._tail_unit
+            else 0
+        )
         self._load_async = config.load_async or load_async_required
         self._query = query
         self._tracked: dict[str, _Tracked] = {}
@@ -155,7 +163,7 @@ class SchedulerSide:
             return 0, False
         aligned = hit = self.coordinator.find_hit(max_tokens, readable)
         if self._tail_unit:
-            hit = self._extend_by_tail(tracked, hit, max_tokens, num_computed)
+            hit = self._extend_by_tail(tracked, hit, readable, max_tokens, num_computed)
         if hit.tokens <= num_computed:
             self._pending.pop(request.request_id, None)
             return 0, False
@@ -187,12 +195,19 @@ class SchedulerSide:
                 readable[group][block] = ok
         return tuple(tuple(column) for column in readable)
 
-    def _extend_by_tail(self, tracked: _Tracked, hit: Hit, max_tokens: int, local: int) -> Hit:
-        """The largest prompt tail past `hit` whose partial objects every group has."""
+    def _extend_by_tail(
+        self, tracked: _Tracked, hit: Hit, readable: Masks, max_tokens: int, local: int
+    ) -> Hit:
+        """The largest prompt tail past `hit` (and vLLM's own `local` hit) whose whole
+        blocks are `readable` and whose partial objects every group has."""
+        alignment = self.coordinator.alignment
+        floor = max(hit.tokens, local // alignment * alignment)
         tails = [
-            self.coordinator.tail_hit(tokens)
-            for tokens in self.coordinator.tail_boundaries(hit.tokens, max_tokens, self._tail_unit)
-            if tokens > local
+            tail
+            for tail in self.coordinator.tail_hits(
+                floor, max_tokens, self._tail_unit, readable, self._tail_candidates
+            )
+            if tail.tokens > local
         ]
         if not tails:
             return hit
@@ -367,11 +382,13 @@ class SchedulerSide:
         current = state.get_block_ids(request.request_id) if state is not None else None
         table = current if current is not None else tracked.block_ids
         saves: list[BlockRef] = []
+        checkpoints: dict[int, InnerCheckpoint] = {}
         for group, plan in enumerate(self.plan.groups):
             if self._checkpoints is not None:
-                inner = self._checkpoints.misplaced_block(group, start, done)
+                inner = self._checkpoints.inner(group, start, done)
                 if inner is not None:
-                    tracked.inner.add((group, inner))
+                    tracked.inner.add((group, inner.block))
+                    checkpoints[group] = inner
             size = plan.block_size
             complete = upto // size
             first = tracked.scanned[group]
@@ -397,7 +414,7 @@ class SchedulerSide:
                         stored = self._events(request, plan.vllm_group_id, size, block)
                     saves.append(BlockRef(group, block, ids[block], hashes[block], stored))
             tracked.scanned[group] = complete
-        saves.extend(self._tail_saves(tracked, done, table))
+        saves.extend(self._tail_saves(tracked, done, table, checkpoints))
         if saves:
             entry = step.setdefault(
                 request.request_id, RequestTransfers(request_id=request.request_id)
@@ -405,26 +422,61 @@ class SchedulerSide:
             entry.saves.extend(saves)
 
     def _tail_saves(
-        self, tracked: _Tracked, done: int, table: Sequence[Sequence[int]]
+        self,
+        tracked: _Tracked,
+        done: int,
+        table: Sequence[Sequence[int]],
+        checkpoints: Mapping[int, InnerCheckpoint],
     ) -> list[BlockRef]:
-        """A step whose prompt chunk ends inside a block, at a multiple of the tail unit,
-        leaves every group's KV of exactly that prefix (a recurrent state after exactly
-        those tokens): stored as partial objects, before the next step overwrites the state.
-        """
+        """The prompt tails a step leaves, stored before the next step overwrites a state:
+        a chunk ending inside a block at a multiple of the tail unit leaves every group's
+        KV of exactly that prefix; a prompt's last chunk whose every state group wrote its
+        checkpoint at one such position leaves the states there in the checkpoint blocks,
+        and the other groups' KV of that prefix in the blocks holding its last token."""
+        if not self._tail_unit:
+            return []
+        saves = self._tail_at(tracked, done, table, {})
+        states = {
+            group
+            for group, plan in enumerate(self.plan.groups)
+            if isinstance(plan.kind, RecurrentState)
+        }
+        if (
+            checkpoints
+            and done >= tracked.request.num_prompt_tokens
+            and states <= checkpoints.keys()
+        ):
+            # One position for every group: vLLM's rule places it by the chunk alone.
+            position = next(iter(checkpoints.values())).tokens
+            sources = {group: checkpoint.block for group, checkpoint in checkpoints.items()}
+            saves.extend(self._tail_at(tracked, position, table, sources))
+        return saves
+
+    def _tail_at(
+        self,
+        tracked: _Tracked,
+        tokens: int,
+        table: Sequence[Sequence[int]],
+        sources: Mapping[int, int],
+    ) -> list[BlockRef]:
+        """Each group's partial object of the prefix of `tokens` tokens, from the block
+        `sources` names for the group, else from the block holding the prefix's last token;
+        none unless `tokens` is a multiple of the tail unit inside the prompt and inside a
+        block of every group."""
         request = tracked.request
-        unit = self._tail_unit
-        if not unit or done % unit or done > request.num_prompt_tokens:
+        if tokens % self._tail_unit or tokens > request.num_prompt_tokens:
             return []
-        if not self.coordinator.is_tail_boundary(done):
+        if not self.coordinator.is_tail_boundary(tokens):
             return []
-        tail_hash = tracked.hashes.prefix(request.all_token_ids, done)
+        tail_hash = tracked.hashes.prefix(request.all_token_ids, tokens)
         saves = []
-        for group, mask in enumerate(self.coordinator.tail_hit(done).load_masks):
+        for group, mask in enumerate(self.coordinator.tail_hit(tokens).load_masks):
             plan = self.plan.groups[group]
-            block = done // plan.block_size
+            block = tokens // plan.block_size
+            source = sources.get(group, block)
             ids = table[plan.vllm_group_id]
-            if mask[-1] and block < len(ids) and ids[block] != NULL_BLOCK_ID:
-                saves.append(BlockRef(group, block, ids[block], tail_hash, tail=done))
+            if mask[-1] and source < len(ids) and ids[source] != NULL_BLOCK_ID:
+                saves.append(BlockRef(group, block, ids[source], tail_hash, tail=tokens))
         return saves
 
     def loads_failed(

@@ -9,6 +9,7 @@ It never talks to a store: readability comes in as plain data or a callable, so 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -73,6 +74,26 @@ class _CallableColumn:
             if not answer:
                 return block
         return None
+
+
+class _Descending:
+    """A column asked about block ranges whose ends never grow (tail boundaries, largest
+    first): blocks already found readable below the current end are not scanned again, so
+    a search scans each block about once, not once per boundary."""
+
+    __slots__ = ("_column", "_known")
+
+    def __init__(self, column: _Column) -> None:
+        self._column = column
+        self._known = sys.maxsize  # blocks [_known, the last end) are readable
+
+    def first_miss(self, first: int, stop: int) -> int | None:
+        if first >= stop:
+            return None
+        miss = self._column.first_miss(first, min(stop, self._known))
+        if miss is None:
+            self._known = min(self._known, first)
+        return miss
 
 
 def _require_count(name: str, value: object) -> int:
@@ -238,25 +259,53 @@ class Coordinator:
         tokens = _require_count("tokens", tokens)
         return tokens > 0 and all(tokens % group.block_size for group in self._groups)
 
-    def tail_boundaries(self, hit: int, max_tokens: int, unit: int) -> list[int]:
+    def tail_hits(
+        self, hit: int, max_tokens: int, unit: int, readable: Readable, limit: int
+    ) -> list[Hit]:
         """Where a prefix cut mid-block could extend aligned hit `hit`, largest first.
 
-        The multiples of `unit` after `hit`, inside the smallest block that follows it and
-        `<= max_tokens`. Every block a group needs there before its partial block is one
-        it needs at `hit` already, so only the partial blocks are left to ask about. None
-        with EAGLE (its dropped block would have to reach past a partial one).
+        The `limit` largest multiples of `unit` in (`hit`, `max_tokens`] that end inside a
+        block of every group and whose needs, each group's partial block apart, are
+        `readable` (as in `find_hit`): one more query about their partial objects decides
+        the tail. They may lie blocks past `hit`: a Mamba group whose prompt's last chunk
+        left its state only at a checkpoint inside it has no state at the block ends in
+        between, while attention keeps every block. None with EAGLE (its dropped block
+        would have to reach past a partial one).
         """
         hit = _require_count("hit", hit)
         max_tokens = _require_count("max_tokens", max_tokens)
         if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0:
             raise ValueError(f"unit must be a positive int, got {unit!r}")
+        limit = _require_count("limit", limit)
         if hit % self._alignment:
             raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
         if self._use_eagle:
             return []
-        stop = min(hit + min(group.block_size for group in self._groups), max_tokens + 1)
-        first = hit // unit * unit + unit
-        return list(reversed(range(first, stop, unit)))
+        columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
+        hits: list[Hit] = []
+        tokens = max_tokens // unit * unit
+        while tokens > hit and len(hits) < limit:
+            if not self.is_tail_boundary(tokens):
+                tokens -= unit
+                continue
+            below = self._below_tail_miss(tokens, columns, unit)
+            if below is None:
+                hits.append(Hit(tokens, self._needed_masks(tokens)))
+                tokens -= unit
+            else:
+                tokens = below
+        return hits
+
+    def _below_tail_miss(self, tokens: int, columns: Sequence[_Column], unit: int) -> int | None:
+        """None if a tail at `tokens` has every whole block it needs readable, else the
+        largest multiple of `unit` below it that could: needs only slide left as the
+        boundary shrinks, so every boundary whose partial block lies past a miss needs it."""
+        for kind, column in zip(self._groups, columns, strict=True):
+            block_size = kind.block_size
+            miss = column.first_miss(kind.first_needed(tokens), tokens // block_size)
+            if miss is not None:
+                return ((miss + 1) * block_size - 1) // unit * unit
+        return None
 
     def tail_hit(self, tokens: int) -> Hit:
         """The hit of a prefix cut mid-block: per group the blocks needed at `tokens`, the
