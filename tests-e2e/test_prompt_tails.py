@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, group_of, keys_added_by_step, logprob_gap, qwen3_next_runner
+from scenario import CHANGED, group_of, hybrid_runner, keys_added_by_step, logprob_gap
 from vllm_instance import PromptResult, Step, list_pool_keys
 
 UNIT = 64
@@ -41,8 +41,14 @@ class TailRun:
 
 @pytest.fixture(scope="module")
 def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> TailRun:
-    run = qwen3_next_runner(
-        models_dir, runs_dir, pool.config_path, pool.http, "tails", prefix_match_unit=UNIT
+    run = hybrid_runner(
+        "qwen3_next",
+        models_dir,
+        runs_dir,
+        pool.config_path,
+        pool.http,
+        "tails",
+        prefix_match_unit=UNIT,
     )
 
     # The writer saves layer by layer and the reader whole blocks; every reader of this

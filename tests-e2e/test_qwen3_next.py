@@ -21,9 +21,9 @@ from scenario import (
     CHANGED,
     LOGPROB_TOLERANCE,
     group_of,
+    hybrid_runner,
     keys_added_by_step,
     logprob_gap,
-    qwen3_next_runner,
 )
 from vllm_instance import PromptResult, Step, list_pool_keys
 
@@ -46,7 +46,9 @@ class Qwen3NextRun:
 
 @pytest.fixture(scope="module")
 def qwen3_next(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Qwen3NextRun:
-    run = qwen3_next_runner(models_dir, runs_dir, pool.config_path, pool.http, "qwen3-next")
+    run = hybrid_runner(
+        "qwen3_next", models_dir, runs_dir, pool.config_path, pool.http, "qwen3-next"
+    )
     before = set(list_pool_keys(pool.http))
     per_prompt = [Step(prompts=[p], snapshot_keys=True) for p in PROMPTS.values()]
     written = run("writer", per_prompt, {"namespace": "qwen3-next"})

