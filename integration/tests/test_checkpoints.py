@@ -249,3 +249,25 @@ def test_decode_steps_do_not_ask_vllm_s_rule(vllm_specs: Any, monkeypatch: Any) 
     assert asked == []
     side.build_meta(scheduler_output(cached=[("r", 231, 17)], tables={"r": TABLES}))
     assert len(asked) == 1
+
+
+def test_a_tail_below_the_end_of_a_longer_sibling_s_blocks_is_found(vllm_specs: Any) -> None:
+    """A longer prompt sharing the written one's start (a chat whose last turn was
+    edited) makes attention blocks readable past the tail's block: the tail at 224 is
+    still asked about, and found."""
+    pool: set[str] = set()
+    side = _side(vllm_specs, 16, pool=pool)
+    _, saves = _prefill(side)  # tails at 224
+    _put(side, pool, saves)
+    longer = [*PROMPT, *range(5000, 5370)]  # 600 tokens in one chunk: a tail at 592
+    tables = (list(range(1, 11)), [0] * 8 + [77, 78])
+    sibling = _side(vllm_specs, 16, pool=pool)
+    r = request("longer", longer)
+    sibling.after_alloc(r, tables, 0)
+    output = scheduler_output(new=[("longer", tables, 0, len(longer))], tables={"longer": tables})
+    (transfers,) = sibling.build_meta(output).requests
+    assert [tail for *_, tail in _tails(transfers.saves)] == [592, 592]
+    _put(sibling, pool, list(transfers.saves))
+    reader = _side(vllm_specs, 16, pool=pool)
+    edited = request("edited", [*longer[:400], *range(9000, 9100)])  # blocks 0..5 shared
+    assert reader.num_new_matched_tokens(edited, 0) == (224, False)

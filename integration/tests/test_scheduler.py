@@ -9,6 +9,7 @@ from conftest import Clock, attention, groups, mamba, request, scheduler_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridkv.integration import scheduler
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
@@ -478,6 +479,49 @@ def test_a_tail_query_without_answer_keeps_the_aligned_hit_and_is_no_failed_look
     assert pool.queries == 2
     stats = side.take_stats()
     assert (stats["lookups"], stats["failed_lookups"]) == (1, 0)
+
+
+def test_a_failed_second_tail_query_keeps_the_aligned_hit(vllm_specs: Any) -> None:
+    """The first tail query asks one group's partial objects, the second the others'."""
+    side, pool = _tail_side(vllm_specs)
+    prompt = TOKENS[:180]
+    _write_prompt(side, pool, prompt, [160, 176, 180])
+    answered = pool.query
+    sizes: list[int] = []
+
+    def two_queries_only(keys: Sequence[str]) -> list[bool] | None:
+        sizes.append(len(keys))
+        pool.down = pool.queries > 1
+        return answered(keys)
+
+    side._query = two_queries_only
+    pool.queries = 0
+    assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
+    # Candidates 176 and 168 (after the aligned 160; 179 caps them), one object each.
+    assert sizes[1:] == [2, 1]
+    pool.down = False
+    side._query = answered
+    assert side.num_new_matched_tokens(request("r", prompt), 0) == (176, False)
+
+
+def test_the_block_after_the_aligned_hit_is_asked_beyond_the_largest_candidates(
+    vllm_specs: Any, monkeypatch: Any
+) -> None:
+    """Attention blocks readable far past a tail (a longer sibling whose states the pool
+    no longer holds): the tail just past the aligned hit is still asked about."""
+    monkeypatch.setattr(scheduler, "MAX_TAIL_CANDIDATES", 2)
+    side, pool = _tail_side(vllm_specs)
+    prompt = TOKENS[:180]
+    _write_prompt(side, pool, prompt, [160, 176, 180])
+    other_writer, _ = _tail_side(vllm_specs)
+    sibling = [*TOKENS, *range(5000, 5050)]  # 250 tokens, the written prompt's 180 first
+    saves = _write_prompt(other_writer, pool, sibling, [32 * k for k in range(1, 8)] + [250])
+    evicted = [ref for ref in saves if ref.group == 1 and ref.index >= 5]
+    assert [ref.index for ref in evicted] == [5, 6]  # the states after 192 and 224
+    for ref in evicted:
+        pool.keys -= set(side.keys.keys(1, [ref.block_hash], [0]))
+    reader = request("r", [*sibling[:240], *range(9000, 9010)])  # blocks 0..6 readable
+    assert side.num_new_matched_tokens(reader, 0) == (176, False)
 
 
 def test_a_tail_needs_every_group_s_partial_object(vllm_specs: Any) -> None:

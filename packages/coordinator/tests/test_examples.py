@@ -220,6 +220,9 @@ def test_a_tail_can_lie_blocks_past_the_aligned_hit() -> None:
         368,
         352,
     ]
+    # A unit that some block size divides leaves no boundary inside a block of every group.
+    fine = Coordinator([FullAttention(16), RecurrentState(64)])
+    assert fine.tail_hits(0, 1 << 17, 16, [[T] * 8192, []], 4) == []
 
 
 def test_a_tail_inside_a_smaller_block_stops_before_it() -> None:

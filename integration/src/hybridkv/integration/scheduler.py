@@ -10,8 +10,8 @@ Prompt tails: where vLLM's own prefix cache hits inside blocks (a Mamba "align" 
 a `prefix_match_unit` finer than its blocks), vLLM ends a prompt's chunk at its last
 multiple of that unit, or (Mamba2, KDA) has the prompt's last chunk write the state there
 into a checkpoint block. The step that leaves such a prefix stores each group's block
-holding it as a partial object, named by the prefix's hash; a lookup then asks, in a
-second query, whether such objects extend its aligned hit.
+holding it as a partial object, named by the prefix's hash; a lookup then asks, in
+further queries, whether such objects extend its aligned hit.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from hybridkv.integration.quarantine import Quarantine
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
+# Tail boundaries a lookup asks about: the largest whose whole blocks are readable (and
+# those inside the block after the aligned hit besides).
+MAX_TAIL_CANDIDATES = 512
 
 Query = Callable[[Sequence[str]], "list[bool] | None"]
 
@@ -97,12 +100,7 @@ class SchedulerSide:
         self._saves = config.saves_for(kv_role)
         self.coordinator = self.plan.coordinator()
         self._tail_unit = tail_unit if config.prompt_tails else 0
-        # Tail boundaries asked about per lookup: one block's worth, the largest first.
-        self._tail_candidates = (
-            max(group.block_size for group in self.plan.groups) // self._tail_unit
-            if self._tail_unit
-            else 0
-        )
+        self._smallest_block = min(group.block_size for group in self.plan.groups)
         self._load_async = config.load_async or load_async_required
         self._query = query
         self._tracked: dict[str, _Tracked] = {}
@@ -199,32 +197,42 @@ class SchedulerSide:
         self, tracked: _Tracked, hit: Hit, readable: Masks, max_tokens: int, local: int
     ) -> Hit:
         """The largest prompt tail past `hit` (and vLLM's own `local` hit) whose whole
-        blocks are `readable` and whose partial objects every group has."""
+        blocks are `readable` and whose partial objects every group has.
+
+        Tails lie where stored prompts ended, anywhere below the end of the readable
+        blocks. A first query asks one group's partial objects of every candidate, a
+        second the other groups' of the candidates the first found.
+        """
+        unit = self._tail_unit
         alignment = self.coordinator.alignment
         floor = max(hit.tokens, local // alignment * alignment)
-        tails = [
-            tail
-            for tail in self.coordinator.tail_hits(
-                floor, max_tokens, self._tail_unit, readable, self._tail_candidates
-            )
+        near = min(max_tokens, floor + self._smallest_block - 1)
+        windows = ((max_tokens, MAX_TAIL_CANDIDATES), (near, self._smallest_block // unit))
+        candidates = {
+            tail.tokens: tail
+            for stop, limit in windows
+            for tail in self.coordinator.tail_hits(floor, stop, unit, readable, limit)
             if tail.tokens > local
-        ]
-        if not tails:
-            return hit
+        }
+        tails = [candidates[tokens] for tokens in sorted(candidates, reverse=True)]
         token_ids = tracked.request.all_token_ids
+        hashes = [tracked.hashes.prefix(token_ids, tail.tokens) for tail in tails]
         # Per tail, the groups keeping a partial block there (the last one they need).
         keeping = [[g for g, mask in enumerate(tail.load_masks) if mask[-1]] for tail in tails]
-        batches: list[tuple[int, Sequence[bytes]]] = []
-        for tail, groups in zip(tails, keeping, strict=True):
-            block_hash = tracked.hashes.prefix(token_ids, tail.tokens)  # once per tail
-            batches.extend((group, [block_hash]) for group in groups)
-        answers = self._every_head_readable(batches)
+        probes = [(groups[0], [h]) for groups, h in zip(keeping, hashes, strict=True) if groups]
+        answers = self._every_head_readable(probes) if probes else []
         if answers is None:
             return hit
-        found = iter(answers)
-        for tail, groups in zip(tails, keeping, strict=True):  # largest first
-            if all([next(found)[0] for _ in groups]):  # a list: take every answer
-                return tail
+        probed = iter(answers)
+        found = [i for i, groups in enumerate(keeping) if not groups or next(probed)[0]]
+        rest = [(group, [hashes[i]]) for i in found for group in keeping[i][1:]]
+        answers = self._every_head_readable(rest) if rest else []
+        if answers is None:
+            return hit
+        others = iter(answers)
+        for i in found:  # largest first
+            if all([next(others)[0] for _ in keeping[i][1:]]):  # a list: take every answer
+                return tails[i]
         return hit
 
     def _every_head_readable(

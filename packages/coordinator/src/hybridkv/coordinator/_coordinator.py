@@ -279,8 +279,8 @@ class Coordinator:
         limit = _require_count("limit", limit)
         if hit % self._alignment:
             raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
-        if self._use_eagle:
-            return []
+        if self._use_eagle or any(unit % group.block_size == 0 for group in self._groups):
+            return []  # with a block size dividing the unit, no multiple ends inside a block
         columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
         hits: list[Hit] = []
         tokens = max_tokens // unit * unit
