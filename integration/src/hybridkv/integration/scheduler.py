@@ -66,7 +66,7 @@ class _Tracked:
 class _PendingLoad:
     local_tokens: int
     hit: Hit
-    tail_tokens: int = 0  # of the hit, those past the last block end (a prompt tail)
+    tail_tokens: int = 0  # of the hit, those past the aligned hit (a prompt tail)
 
 
 class SchedulerSide:

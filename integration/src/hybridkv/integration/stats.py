@@ -95,7 +95,7 @@ class Counters:
 # one); its name is the field's, "_s" spelled "_seconds", and the exposition adds "_total".
 PROMETHEUS_HELP = {
     "hit_tokens": "Prompt tokens the pool held when vLLM asked",
-    "tail_hit_tokens": "Of the hit tokens, those past a block end (prompt tails)",
+    "tail_hit_tokens": "Of the hit tokens, those past the aligned hit (prompt tails)",
     "lookups": "Pool lookups made for requests",
     "failed_lookups": "Pool lookups that got no answer (counted as misses)",
     "quarantined_keys": "Pool objects whose read failed, kept from lookups for a while",
