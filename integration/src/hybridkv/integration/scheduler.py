@@ -207,7 +207,7 @@ class SchedulerSide:
         alignment = self.coordinator.alignment
         floor = max(hit.tokens, local // alignment * alignment)
         near = min(max_tokens, floor + self._smallest_block - 1)
-        windows = ((max_tokens, MAX_TAIL_CANDIDATES), (near, self._smallest_block // unit))
+        windows = ((max_tokens, MAX_TAIL_CANDIDATES), (near, -(-self._smallest_block // unit)))
         candidates = {
             tail.tokens: tail
             for stop, limit in windows
