@@ -26,6 +26,7 @@ from vllm_instance import (
     PromptResult,
     Step,
     StepResult,
+    list_pool_keys,
     run_instance,
 )
 
@@ -238,3 +239,63 @@ def hybrid_runner(
         return run_instance(instance, runs_dir, f"{prefix}-{name}", env)
 
     return run
+
+
+@dataclass
+class TailRun:
+    """A hybrid Mamba model's prompt stored by one instance, resumed by others from its
+    prompt tail in the pool, and the references: cold runs and vLLM's own cache."""
+
+    kv_groups: list[str]  # vLLM's KVCacheSpec class name of each group
+    states: list[str]  # the recurrent-state objects the writer stored
+    reader: dict[str, PromptResult]  # "extended" first, then "resent"
+    # no connector, no cached prefix: "written", "extended", "extended_again"
+    cold: dict[str, PromptResult]
+    local_hit: PromptResult  # no connector, "extended" after "written": vLLM's own cache
+    state_corrupted: PromptResult  # "extended_again" with the writer's states overwritten
+
+
+def run_tails(
+    run: Runner,
+    pool_http: str,
+    surgeon: Surgeon,
+    namespace: str,
+    prompts: dict[str, list[int]],
+    bfloat16: bool = False,
+) -> TailRun:
+    """`prompts`: "written", and "extended" / "extended_again", two continuations of it.
+
+    The writer saves layer by layer; a reader loads whole blocks in the background (the
+    only way vLLM recomputes a failed load of a hybrid model). Then every recurrent state
+    the writer stored (the tail's among them) is overwritten, so that a reader resuming
+    at the tail (layer by layer) must compute something else.
+    """
+    layerwise = {"namespace": namespace, "use_layerwise": True}
+    in_background = {"namespace": namespace, "load_async": True}
+    written, extended = prompts["written"], prompts["extended"]
+    before = set(list_pool_keys(pool_http))
+    writer = run("writer", [Step(prompts=[written], snapshot_keys=True)], layerwise)
+    reader = run("reader", [Step(prompts=[extended]), Step(prompts=[written])], in_background)
+    (written_keys,) = keys_added_by_step(["written"], writer.steps, before).values()
+    kv_groups = writer.kv_groups or []
+    states = [k for k in written_keys if kv_groups[group_of(k)] == "MambaSpec"]
+    surgeon.corrupt(states, bfloat16=bfloat16)
+    corrupted = run("corrupted", [Step(prompts=[prompts["extended_again"]])], layerwise)
+    # Each step drops the local prefix cache first, except the one resuming from it.
+    plain = [
+        Step(prompts=[written]),
+        Step(prompts=[extended], reset_prefix_cache=False),
+        Step(prompts=[extended]),
+        Step(prompts=[prompts["extended_again"]]),
+    ]
+    cold_written, local_hit, cold_extended, cold_again = (
+        step.prompts[0] for step in run("plain", plain, None).steps
+    )
+    return TailRun(
+        kv_groups=kv_groups,
+        states=states,
+        reader={"extended": reader.steps[0].prompts[0], "resent": reader.steps[1].prompts[0]},
+        cold={"written": cold_written, "extended": cold_extended, "extended_again": cold_again},
+        local_hit=local_hit,
+        state_corrupted=corrupted.steps[0].prompts[0],
+    )

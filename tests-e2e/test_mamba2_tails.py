@@ -18,14 +18,12 @@ so their logprobs agree only to rounding (the reference is the cold run, within
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, group_of, hybrid_runner, keys_added_by_step, logprob_gap
-from vllm_instance import PromptResult, Step, list_pool_keys
+from scenario import CHANGED, TailRun, hybrid_runner, logprob_gap, run_tails
 
 UNIT = 64
 WRITTEN = tinymodels.prompt_ids(90, 2500)
@@ -36,83 +34,48 @@ EXTENDED_AGAIN = WRITTEN + tinymodels.prompt_ids(92, 100)
 ROUNDING = 2e-5  # measured: 4.5e-6
 
 
-@dataclass
-class Mamba2Run:
-    kv_groups: list[str]
-    written_keys: list[str]
-    reader: dict[str, PromptResult]  # "extended" first, then "resent"
-    cold: dict[str, PromptResult]  # no connector: "written", "extended", "extended_again"
-    local_hit: PromptResult  # no connector, "extended" after "written": vLLM's own cache
-    state_corrupted: PromptResult  # "extended_again" with the written states overwritten
-
-
 @pytest.fixture(scope="module")
-def mamba2(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Mamba2Run:
+def mamba2(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> TailRun:
     run = hybrid_runner(
         "nemotron_h",
         models_dir, runs_dir, pool.config_path, pool.http, "mamba2", prefix_match_unit=UNIT,
     )  # fmt: skip
-    layerwise = {"namespace": "mamba2-tails", "use_layerwise": True}
-    whole = {"namespace": "mamba2-tails"}
-    before = set(list_pool_keys(pool.http))
-    writer = run("writer", [Step(prompts=[WRITTEN], snapshot_keys=True)], layerwise)
-    reader = run("reader", [Step(prompts=[EXTENDED]), Step(prompts=[WRITTEN])], whole)
-    (written_keys,) = keys_added_by_step(["written"], writer.steps, before).values()
-    kv_groups = writer.kv_groups or []
-    states = [k for k in written_keys if kv_groups[group_of(k)] == "MambaSpec"]
-    pool.surgeon.corrupt(states)
-    corrupted = run("corrupted", [Step(prompts=[EXTENDED_AGAIN])], whole)
-    # Each step drops the local prefix cache first, except the one resuming from it.
-    plain = [
-        Step(prompts=[WRITTEN]),
-        Step(prompts=[EXTENDED], reset_prefix_cache=False),
-        Step(prompts=[EXTENDED, EXTENDED_AGAIN]),
-    ]
-    steps = run("plain", plain, None).steps
-    (written,), (local_hit,), (extended, again) = (step.prompts for step in steps)
-    return Mamba2Run(
-        kv_groups=kv_groups,
-        written_keys=written_keys,
-        reader={"extended": reader.steps[0].prompts[0], "resent": reader.steps[1].prompts[0]},
-        cold={"written": written, "extended": extended, "extended_again": again},
-        local_hit=local_hit,
-        state_corrupted=corrupted.steps[0].prompts[0],
-    )
+    prompts = {"written": WRITTEN, "extended": EXTENDED, "extended_again": EXTENDED_AGAIN}
+    return run_tails(run, pool.http, pool.surgeon, "mamba2-tails", prompts)
 
 
 def test_the_writer_stores_the_state_at_the_chunk_end_and_the_checkpoint(
-    mamba2: Mamba2Run,
+    mamba2: TailRun,
 ) -> None:
     """The premise: the layer is Mamba2's, and it left two states, at 2048 and 2496."""
     assert sorted(mamba2.kv_groups) == ["FullAttentionSpec", "MambaSpec"]
-    states = [k for k in mamba2.written_keys if mamba2.kv_groups[group_of(k)] == "MambaSpec"]
-    assert len(states) == 2, states
+    assert len(mamba2.states) == 2, mamba2.states
 
 
-def test_vllm_itself_resumes_at_the_checkpoint(mamba2: Mamba2Run) -> None:
+def test_vllm_itself_resumes_at_the_checkpoint(mamba2: TailRun) -> None:
     """The premise: vLLM's own cache, in one instance, hits at 2496, not at 2048."""
     assert mamba2.local_hit.num_cached_tokens == TAIL
 
 
-def test_another_instance_resumes_at_the_checkpoint(mamba2: Mamba2Run) -> None:
+def test_another_instance_resumes_at_the_checkpoint(mamba2: TailRun) -> None:
     extended = mamba2.reader["extended"]
     assert extended.external_hit_tokens == TAIL  # whole blocks alone give ALIGNED
     assert extended.num_cached_tokens == TAIL
 
 
-def test_its_output_is_a_cold_run_s(mamba2: Mamba2Run) -> None:
+def test_its_output_is_a_cold_run_s(mamba2: TailRun) -> None:
     gap = logprob_gap(mamba2.reader["extended"], mamba2.cold["extended"])
     assert gap <= ROUNDING, gap
 
 
-def test_a_resend_of_the_written_prompt_resumes_there_too(mamba2: Mamba2Run) -> None:
+def test_a_resend_of_the_written_prompt_resumes_there_too(mamba2: TailRun) -> None:
     resent = mamba2.reader["resent"]
     assert resent.num_cached_tokens == TAIL
     gap = logprob_gap(resent, mamba2.cold["written"])
     assert gap <= ROUNDING, gap
 
 
-def test_the_checkpoint_s_state_is_what_the_reader_resumes_from(mamba2: Mamba2Run) -> None:
+def test_the_checkpoint_s_state_is_what_the_reader_resumes_from(mamba2: TailRun) -> None:
     corrupted = mamba2.state_corrupted
     assert corrupted.external_hit_tokens == TAIL
     assert logprob_gap(corrupted, mamba2.cold["extended_again"]) > CHANGED

@@ -13,14 +13,12 @@ here is the cold run.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import tinymodels
 from conftest import Pool
-from scenario import CHANGED, group_of, hybrid_runner, keys_added_by_step, logprob_gap
-from vllm_instance import PromptResult, Step, list_pool_keys
+from scenario import CHANGED, TailRun, hybrid_runner, logprob_gap, run_tails
 
 UNIT = 64
 WRITTEN = tinymodels.prompt_ids(80, 2500)
@@ -30,58 +28,18 @@ EXTENDED = WRITTEN + tinymodels.prompt_ids(81, 100)
 EXTENDED_AGAIN = WRITTEN + tinymodels.prompt_ids(82, 100)
 
 
-@dataclass
-class TailRun:
-    reader: dict[str, PromptResult]  # "extended" first, then "resent"
-    # no connector, no cached prefix: "written", "extended", "extended_again"
-    cold: dict[str, PromptResult]
-    local_hit: PromptResult  # no connector, "extended" after "written": vLLM's own cache
-    state_corrupted: PromptResult  # "extended_again" with the written states overwritten
-
-
 @pytest.fixture(scope="module")
 def tails(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> TailRun:
     run = hybrid_runner(
         "qwen3_next",
-        models_dir,
-        runs_dir,
-        pool.config_path,
-        pool.http,
-        "tails",
-        prefix_match_unit=UNIT,
-    )
+        models_dir, runs_dir, pool.config_path, pool.http, "tails", prefix_match_unit=UNIT,
+    )  # fmt: skip
+    prompts = {"written": WRITTEN, "extended": EXTENDED, "extended_again": EXTENDED_AGAIN}
+    return run_tails(run, pool.http, pool.surgeon, "prompt-tails", prompts, bfloat16=True)
 
-    # The writer saves layer by layer and the reader whole blocks; every reader of this
-    # hybrid model loads in the background (the only way vLLM recomputes a failed load).
-    layerwise = {"namespace": "prompt-tails", "use_layerwise": True}
-    in_background = {"namespace": "prompt-tails", "load_async": True}
-    before = set(list_pool_keys(pool.http))
-    writer = run("writer", [Step(prompts=[WRITTEN], snapshot_keys=True)], layerwise)
-    reader = run("reader", [Step(prompts=[EXTENDED]), Step(prompts=[WRITTEN])], in_background)
-    # Overwrite every recurrent state the writer stored (the tail's among them): a reader
-    # resuming at the tail must now compute something else.
-    (written_keys,) = keys_added_by_step(["written"], writer.steps, before).values()
-    kv_groups = writer.kv_groups or []
-    states = [k for k in written_keys if kv_groups[group_of(k)] == "MambaSpec"]
-    assert len(states) == 4, states  # after 640, 1280 and 1920 tokens, and the tail's
-    pool.surgeon.corrupt(states, bfloat16=True)
-    corrupted = run("corrupted", [Step(prompts=[EXTENDED_AGAIN])], layerwise)
-    # Each step drops the local prefix cache first, except the one resuming from it.
-    plain = [
-        Step(prompts=[WRITTEN]),
-        Step(prompts=[EXTENDED], reset_prefix_cache=False),
-        Step(prompts=[EXTENDED]),
-        Step(prompts=[EXTENDED_AGAIN]),
-    ]
-    written, local_hit, extended, again = (
-        step.prompts[0] for step in run("plain", plain, None).steps
-    )
-    return TailRun(
-        reader={"extended": reader.steps[0].prompts[0], "resent": reader.steps[1].prompts[0]},
-        cold={"written": written, "extended": extended, "extended_again": again},
-        local_hit=local_hit,
-        state_corrupted=corrupted.steps[0].prompts[0],
-    )
+
+def test_the_writer_stores_the_states_at_block_ends_and_the_tail(tails: TailRun) -> None:
+    assert len(tails.states) == 4, tails.states  # after 640, 1280 and 1920 tokens, and 2496
 
 
 def test_vllm_itself_resumes_inside_the_block(tails: TailRun) -> None:
