@@ -101,6 +101,11 @@ class SchedulerSide:
         self.coordinator = self.plan.coordinator()
         self._tail_unit = tail_unit if config.prompt_tails else 0
         self._smallest_block = min(group.block_size for group in self.plan.groups)
+        self._state_groups = {
+            index
+            for index, group in enumerate(self.plan.groups)
+            if isinstance(group.kind, RecurrentState)
+        }
         self._load_async = config.load_async or load_async_required
         self._query = query
         self._tracked: dict[str, _Tracked] = {}
@@ -358,9 +363,9 @@ class SchedulerSide:
         if transfers.load_async:
             return  # the copy happens in the first step after the load completed
         for ref in transfers.loads:
-            plan = self.plan.groups[ref.group]
-            if not isinstance(plan.kind, RecurrentState):
+            if ref.group not in self._state_groups:
                 continue
+            plan = self.plan.groups[ref.group]
             running = -(-done // plan.block_size) - 1
             ids = block_ids[plan.vllm_group_id]
             if running != ref.index and running < len(ids) and ids[running] != NULL_BLOCK_ID:
@@ -444,15 +449,10 @@ class SchedulerSide:
         if not self._tail_unit:
             return []
         saves = self._tail_at(tracked, done, table, {})
-        states = {
-            group
-            for group, plan in enumerate(self.plan.groups)
-            if isinstance(plan.kind, RecurrentState)
-        }
         if (
             checkpoints
             and done >= tracked.request.num_prompt_tokens
-            and states <= checkpoints.keys()
+            and self._state_groups <= checkpoints.keys()
         ):
             # One position for every group: vLLM's rule places it by the chunk alone.
             position = next(iter(checkpoints.values())).tokens
