@@ -23,7 +23,11 @@ PROMPT = list(range(1000, 1230))  # 230 tokens: blocks of 64 end at 64, 128, 192
 TABLES = ([1, 2, 3, 4], [0, 0, 77, 78])
 
 
-def _kv_cache_config(vllm_specs: Any, hash_unit: int, checkpoint_blocks: int = 1) -> Any:
+def _kv_cache_config(
+    vllm_specs: Any, hash_unit: int, checkpoint_blocks: int = 1, conv: bool = False
+) -> Any:
+    """Attention and a Mamba2-like mixer; with `conv`, a third group of a Mamba-type layer
+    without checkpoints (a short conv)."""
     mixer = mamba(
         vllm_specs,
         block_size=64,
@@ -31,6 +35,8 @@ def _kv_cache_config(vllm_specs: Any, hash_unit: int, checkpoint_blocks: int = 1
         prefill_checkpoint_alignment=1,
     )
     kinds = [(["attn"], attention(vllm_specs, block_size=64)), (["mixer"], mixer)]
+    if conv:
+        kinds.append((["conv"], mamba(vllm_specs, block_size=64)))
     return SimpleNamespace(
         kv_cache_groups=groups(vllm_specs, *kinds),
         hash_block_size=hash_unit,
@@ -44,11 +50,14 @@ def _side(
     eagle: bool = False,
     checkpoint_blocks: int = 1,
     pool: set[str] | None = None,
+    conv: bool = False,
 ) -> SchedulerSide:
-    """The connector's scheduler side for attention beside a Mamba2-like layer; with a
-    `pool` (the keys it holds), prompt tails at multiples of the hash unit."""
-    kv_cache_config = _kv_cache_config(vllm_specs, hash_unit, checkpoint_blocks)
-    plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1], ModelShape(1, 2))
+    """The connector's scheduler side for attention beside a Mamba2-like layer (and a
+    short conv with `conv`); with a `pool` (the keys it holds), prompt tails at multiples
+    of the hash unit."""
+    kv_cache_config = _kv_cache_config(vllm_specs, hash_unit, checkpoint_blocks, conv)
+    vllm_groups = kv_cache_config.kv_cache_groups
+    plan = plan_groups(vllm_groups, list(range(len(vllm_groups))), ModelShape(1, 2))
     speculative = SimpleNamespace(use_eagle_block_drop=lambda: eagle) if eagle else None
     vllm_config = SimpleNamespace(speculative_config=speculative)
     checkpoints = prefill_checkpoints(vllm_config, kv_cache_config, plan)
@@ -61,15 +70,18 @@ def _side(
 
 
 def _prefill(
-    side: SchedulerSide, prompt: list[int] = PROMPT, chunk: int | None = None
+    side: SchedulerSide,
+    prompt: list[int] = PROMPT,
+    chunk: int | None = None,
+    tables: tuple[list[int], ...] = TABLES,
 ) -> tuple[Any, list[Any]]:
-    """Request r prefilled in one chunk (the whole prompt unless `chunk` tokens), and the
-    saves planned for it."""
+    """Request r prefilled in one chunk (the whole prompt unless `chunk` tokens) with
+    vLLM's block `tables`, and the saves planned for it."""
     r = request("r", prompt)
     side.num_new_matched_tokens(r, 0)
-    side.after_alloc(r, TABLES, 0)
+    side.after_alloc(r, tables, 0)
     scheduled = len(prompt) if chunk is None else chunk
-    output = scheduler_output(new=[("r", TABLES, 0, scheduled)], tables={"r": TABLES})
+    output = scheduler_output(new=[("r", tables, 0, scheduled)], tables={"r": tables})
     (transfers,) = side.build_meta(output).requests
     return r, list(transfers.saves)
 
@@ -185,31 +197,10 @@ def test_no_checkpoint_tail_while_another_state_group_keeps_no_checkpoint(
 ) -> None:
     """Beside a layer without checkpoints (a short conv), whose block 3 holds the state
     after the chunk's 230 tokens, no state after 224 exists for every group."""
-    conv = mamba(vllm_specs, block_size=64)
-    mixer = mamba(
-        vllm_specs, block_size=64, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
-    )
-    kinds = [(["attn"], attention(vllm_specs, block_size=64)), (["mixer"], mixer), (["conv"], conv)]
-    kv_cache_config = SimpleNamespace(
-        kv_cache_groups=groups(vllm_specs, *kinds),
-        hash_block_size=16,
-        cache_hit_alignment_tokens=16,
-    )
-    plan = plan_groups(kv_cache_config.kv_cache_groups, [0, 1, 2], ModelShape(1, 2))
-    checkpoints = prefill_checkpoints(
-        SimpleNamespace(speculative_config=None), kv_cache_config, plan
-    )
-    side = SchedulerSide(
-        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [False] * len(keys),
-        tail_unit=16, checkpoints=checkpoints,
-    )  # fmt: skip
-    r = request("r", PROMPT)
-    side.num_new_matched_tokens(r, 0)
-    tables = ([1, 2, 3, 4], [0, 0, 77, 78], [0, 0, 0, 99])
-    side.after_alloc(r, tables, 0)
-    output = scheduler_output(new=[("r", tables, 0, len(PROMPT))], tables={"r": tables})
-    (transfers,) = side.build_meta(output).requests
-    assert _tails(transfers.saves) == []
+    side = _side(vllm_specs, 16, pool=set(), conv=True)
+    assert len(side.plan.groups) == 3
+    _, saves = _prefill(side, tables=([1, 2, 3, 4], [0, 0, 77, 78], [0, 0, 0, 99]))
+    assert _tails(saves) == []
 
 
 @given(
@@ -262,12 +253,9 @@ def test_a_tail_below_the_end_of_a_longer_sibling_s_blocks_is_found(vllm_specs: 
     longer = [*PROMPT, *range(5000, 5370)]  # 600 tokens in one chunk: a tail at 592
     tables = (list(range(1, 11)), [0] * 8 + [77, 78])
     sibling = _side(vllm_specs, 16, pool=pool)
-    r = request("longer", longer)
-    sibling.after_alloc(r, tables, 0)
-    output = scheduler_output(new=[("longer", tables, 0, len(longer))], tables={"longer": tables})
-    (transfers,) = sibling.build_meta(output).requests
-    assert [tail for *_, tail in _tails(transfers.saves)] == [592, 592]
-    _put(sibling, pool, list(transfers.saves))
+    _, sibling_saves = _prefill(sibling, longer, tables=tables)
+    assert [tail for *_, tail in _tails(sibling_saves)] == [592, 592]
+    _put(sibling, pool, sibling_saves)
     reader = _side(vllm_specs, 16, pool=pool)
     edited = request("edited", [*longer[:400], *range(9000, 9100)])  # blocks 0..5 shared
     assert reader.num_new_matched_tokens(edited, 0) == (224, False)
