@@ -111,10 +111,22 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
+    """Every benchmark; `nox -s bench -- NAME [ARGS...]` runs `benchmarks/bench_NAME.py`
+    alone with ARGS (the scripts take different flags)."""
+    scripts = sorted(
+        name[len("bench_") : -len(".py")]
+        for name in os.listdir("benchmarks")
+        if name.startswith("bench_") and name.endswith(".py")
+    )
+    chosen, args = scripts, []
+    if session.posargs:
+        name, *args = session.posargs
+        if name not in scripts:
+            session.error(f"no benchmark {name!r}: the first argument names one of {scripts}")
+        chosen = [name]
     _install_stack(session)
-    for script in sorted(os.listdir("benchmarks")):
-        if script.startswith("bench_") and script.endswith(".py"):
-            session.run("python", f"benchmarks/{script}", *session.posargs, env=REAL_ENV)
+    for name in chosen:
+        session.run("python", f"benchmarks/bench_{name}.py", *args, env=REAL_ENV)
 
 
 @nox.session(python=PYTHON)

@@ -9,8 +9,10 @@ a block holds the group's layers back to back, so each object is one run of cach
 and moves in place, no copy). The transport moves the objects layer by layer (put: a
 layer once "ready", commit per group; get: each layer before it is "used") at "staged"
 granularity (the default: layers copied into registered staging memory, one piece per
-key; block-major objects in place) and, for per-layer tensors, at "layer" granularity
-(ranged put/get sessions, no copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
+key; block-major objects in place), at "group" granularity (one multi-buffer call per group:
+a piece per layer of each object for per-layer tensors, one per object for block-major
+ones), for per-layer tensors also at "layer" granularity (ranged put/get sessions, no
+copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
 bytes with `batch_put_from` / `batch_get_into` from one contiguous buffer per object (the
 best Mooncake can do, no layout work at all). Same process, then a second process reading
 what the first wrote (objects in a segment holder). `--repeats` passes after a warm-up

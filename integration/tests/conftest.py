@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from hybridkv.transport.testing import real_required
+
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
@@ -16,7 +18,7 @@ def _require(module: str) -> None:
     try:
         __import__(module)
     except ImportError as exc:
-        if os.environ.get("HYBRIDKV_REQUIRE_REAL") == "1":
+        if real_required():
             raise
         pytest.skip(f"{module} is not installed: {exc}")
 

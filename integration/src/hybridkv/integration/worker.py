@@ -104,7 +104,8 @@ class WorkerSide:
     """The worker role: renders this rank's keys, runs the strategy, reports outcomes.
 
     `counters` are taken by vLLM's per-step stats snapshots; `totals` keep summing the
-    same values until `take_totals()` (for in-process benchmarks).
+    same values until `HybridKVConnector.transfer_totals(reset=True)` (for in-process
+    benchmarks).
     """
 
     def __init__(
