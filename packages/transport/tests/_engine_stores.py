@@ -102,6 +102,18 @@ class FailingOpenStore(MemoryStore):
         raise RuntimeError("crashed after opening sessions")
 
 
+class FailingCommitStore(MemoryStore):
+    """Raises (an error of the client, not a status) in the first commit of put sessions."""
+
+    crashed = False
+
+    def put_session_end(self, keys: Sequence[str]) -> list[Status]:
+        if not self.crashed:
+            self.crashed = True
+            raise RuntimeError("crashed while committing")
+        return super().put_session_end(keys)
+
+
 def fail_at_call(
     store: MemoryStore,
     operation: str,

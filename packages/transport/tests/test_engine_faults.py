@@ -20,7 +20,7 @@ from _engine_drive import (
     unique_prefix,
 )
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
-from _engine_stores import BrokenEvent, FailingOpenStore, fail_at_call
+from _engine_stores import BrokenEvent, FailingCommitStore, FailingOpenStore, fail_at_call
 
 from hybridkv.transport import BlockTransfer, sessions
 from hybridkv.transport.errors import Status, StoreUnavailable
@@ -98,6 +98,25 @@ def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
         assert engine.poll_finished()[0] == {"req"}  # counters released anyway
         outstanding = engine.outstanding("save")
     assert store.batch_is_readable([t.key for t in saves]) == [False] * len(saves)
+    assert_clean(store, outstanding)
+
+
+def test_a_commit_that_raises_revokes_its_sessions_and_the_keys_can_be_saved_again() -> None:
+    """A group whose commit raised got all of its layers, so draining the step skips it:
+    the commit itself revokes its sessions, else they stay open for good and the keys
+    (taken as stored elsewhere by the next save) never become readable."""
+    store = FailingCommitStore()
+    caches, saves = filled_caches_and_saves(seed=15)
+    with engine_for(store, caches, "layer") as engine:
+        step = engine.begin_layerwise(saves=saves)
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        with pytest.raises(RuntimeError, match="crashed while committing"):
+            step.finish()
+        assert store.open_put_sessions() == set()
+        assert save(engine, saves, "layer").failed_keys == []
+        outstanding = engine.outstanding("save")
+    assert store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
     assert_clean(store, outstanding)
 
 

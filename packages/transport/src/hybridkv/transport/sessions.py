@@ -651,6 +651,13 @@ class RangedWrites(Writes):
         except StoreError as exc:
             log.warning("put_session_end of %d keys failed: %s", len(keys), exc)
             statuses = [Status.OTHER] * len(keys)
+        except BaseException:
+            # An error of the client: not knowing which sessions ended, revoke them all (an
+            # ended one is no open session: it stays) and fail every key (`abort` skips a
+            # group that got all of its layers).
+            self._revoke(keys)
+            self.fail(rows)
+            raise
         failed = [row for row, status in zip(rows, statuses, strict=True) if not status.ok]
         self._commit_rows(row for row, status in zip(rows, statuses, strict=True) if status.ok)
         self._revoke([batch.keys[row] for batch, row in failed])
