@@ -24,6 +24,7 @@ import pytest
 import tinymodels
 from conftest import Pool
 from scenario import CHANGED, TailRun, hybrid_runner, logprob_gap, run_tails
+from vllm_instance import PromptResult, Step
 
 UNIT = 64
 WRITTEN = tinymodels.prompt_ids(90, 2500)
@@ -31,6 +32,11 @@ TAIL = (len(WRITTEN) - 1) // UNIT * UNIT  # 2496: vLLM's checkpoint for the prom
 ALIGNED = 2048  # the first chunk's end, the last block end holding a state
 EXTENDED = WRITTEN + tinymodels.prompt_ids(91, 100)
 EXTENDED_AGAIN = WRITTEN + tinymodels.prompt_ids(92, 100)
+# Resumed at TAIL (inside block 9, which ends at 2560) and run to 2900 in one chunk: vLLM
+# writes the final state into block 11 and the checkpoint (after 2880) into block 10;
+# block 9 keeps the state after 2496. A branch off it shares 2600 tokens.
+RESUMED = WRITTEN + tinymodels.prompt_ids(93, 400)
+BRANCH = RESUMED[:2600] + tinymodels.prompt_ids(94, 100)
 ROUNDING = 2e-5  # measured: 4.5e-6
 
 
@@ -79,3 +85,35 @@ def test_the_checkpoint_s_state_is_what_the_reader_resumes_from(mamba2: TailRun)
     corrupted = mamba2.state_corrupted
     assert corrupted.external_hit_tokens == TAIL
     assert logprob_gap(corrupted, mamba2.cold["extended_again"]) > CHANGED
+
+
+@pytest.fixture(scope="module")
+def resumed(
+    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+) -> dict[str, PromptResult]:
+    """One instance stores WRITTEN, then (its own cache dropped) resumes RESUMED from the
+    pool at the tail; another runs BRANCH; and BRANCH cold."""
+    run = hybrid_runner(
+        "nemotron_h",
+        models_dir, runs_dir, pool.config_path, pool.http, "resumed", prefix_match_unit=UNIT,
+    )  # fmt: skip
+    layerwise = {"namespace": "mamba2-resumed", "use_layerwise": True}
+    writer = run("writer", [Step(prompts=[WRITTEN]), Step(prompts=[RESUMED])], layerwise)
+    branch = run("branch", [Step(prompts=[BRANCH])], layerwise)
+    cold = run("cold", [Step(prompts=[BRANCH])], None)
+    return {
+        "resumed": writer.steps[1].prompts[0],
+        "branch": branch.steps[0].prompts[0],
+        "cold": cold.steps[0].prompts[0],
+    }
+
+
+def test_a_state_block_resumed_inside_and_run_past_is_not_stored_as_its_end(
+    resumed: dict[str, PromptResult],
+) -> None:
+    """Stored as block 9 (the state after 2560), the state after 2496 would give BRANCH a
+    hit at 2560 and another output than its cold run's."""
+    assert resumed["resumed"].external_hit_tokens == TAIL  # the premise
+    assert resumed["branch"].external_hit_tokens == TAIL
+    gap = logprob_gap(resumed["branch"], resumed["cold"])
+    assert gap <= ROUNDING, gap

@@ -203,6 +203,31 @@ def test_no_checkpoint_tail_while_another_state_group_keeps_no_checkpoint(
     assert _tails(saves) == []
 
 
+@pytest.mark.parametrize("from_pool", [True, False])
+def test_a_block_a_chunk_resumed_inside_and_ran_past_is_not_saved(
+    vllm_specs: Any, from_pool: bool
+) -> None:
+    """A reader resumes at the 224-token tail (from the pool, or vLLM's own cache), inside
+    state block 3, and runs [224, 400) as one chunk: vLLM writes the state after 400
+    tokens into column 6 and its checkpoint (after 384, block 5's end) into column 5;
+    column 3 keeps the state after 224. Saved as block 3 (the state after 256), a reader
+    hitting at 256 would resume from the wrong state."""
+    pool: set[str] = set()
+    side = _side(vllm_specs, 16, pool=pool)
+    _, saves = _prefill(side)  # tails at 224
+    _put(side, pool, saves)
+    reader = _side(vllm_specs, 16, pool=pool if from_pool else set())
+    longer = request("longer", [*PROMPT, *range(5000, 5170)])  # 400 tokens
+    external = 224 if from_pool else 0
+    assert reader.num_new_matched_tokens(longer, 224 - external) == (external, False)
+    tables = ([11, 12, 13, 14, 15, 16, 17], [0, 0, 0, 88, 0, 89, 90])
+    reader.after_alloc(longer, tables, external)
+    output = scheduler_output(new=[("longer", tables, 224, 400 - 224)], tables={"longer": tables})
+    (transfers,) = reader.build_meta(output).requests
+    states = [(ref.index, ref.block_id, ref.tail) for ref in transfers.saves if ref.group == 1]
+    assert states == [(5, 89, 0), (6, 90, 400)]
+
+
 @given(
     st.integers(0, 5000),
     st.integers(1, 64),

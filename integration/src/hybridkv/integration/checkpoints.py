@@ -31,11 +31,15 @@ class CheckpointRule:
 
 
 @dataclass(frozen=True)
-class InnerCheckpoint:
-    """A chunk left block `block` holding the state after `tokens` tokens, not its end's."""
+class Checkpoint:
+    """A chunk left block `block` holding the state after `tokens` tokens."""
 
     tokens: int
     block: int
+
+    def is_block_end(self, block_size: int) -> bool:
+        """Whether that is the state the block stands for (the one at its end)."""
+        return self.tokens == (self.block + 1) * block_size
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,9 @@ class PrefillCheckpoints:
     alignment_tokens: int
     drop_eagle_block: bool
 
-    def inner(self, group: int, query_start: int, query_end: int) -> InnerCheckpoint | None:
-        """The block of plan group `group` that the chunk [query_start, query_end) leaves
-        holding a state other than the one at its end, if any."""
+    def written(self, group: int, query_start: int, query_end: int) -> Checkpoint | None:
+        """Where the chunk [query_start, query_end) writes plan group `group`'s checkpoint,
+        if anywhere (perhaps at its block's end)."""
         rule = self.rules.get(group)
         # vLLM's rule puts a checkpoint a unit or more past the chunk's start, never in a
         # decode step: those skip the call (every step of every running request asks).
@@ -66,10 +70,7 @@ class PrefillCheckpoints:
             self.drop_eagle_block,
             self.alignment_tokens,
         )
-        tokens = query_start + offset
-        if column < 0 or tokens == (column + 1) * rule.block_size:
-            return None
-        return InnerCheckpoint(tokens, int(column))
+        return None if column < 0 else Checkpoint(query_start + offset, int(column))
 
 
 def prefill_checkpoints(

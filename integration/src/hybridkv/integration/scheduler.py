@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
-from hybridkv.integration.checkpoints import InnerCheckpoint, PrefillCheckpoints
+from hybridkv.integration.checkpoints import Checkpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
@@ -57,8 +57,9 @@ class _Tracked:
     scanned: list[int]
     # Fallback block table when vLLM offers no current tables (append-only mirror).
     block_ids: list[list[int]] = field(default_factory=list)
-    # (plan group, block index) of blocks holding a Mamba checkpoint other than their end
-    # state: never saved, even when a failed load moves `scanned` back below them.
+    # (plan group, block index) of state blocks holding another state than their end's (a
+    # Mamba checkpoint inside the block, or the state a chunk resumed from mid-block and
+    # ran past): never saved, even when a failed load moves `scanned` back below them.
     inner: set[tuple[int, int]] = field(default_factory=set)
 
 
@@ -395,14 +396,25 @@ class SchedulerSide:
         current = state.get_block_ids(request.request_id) if state is not None else None
         table = current if current is not None else tracked.block_ids
         saves: list[BlockRef] = []
-        checkpoints: dict[int, InnerCheckpoint] = {}
+        checkpoints: dict[int, Checkpoint] = {}
         for group, plan in enumerate(self.plan.groups):
-            if self._checkpoints is not None:
-                inner = self._checkpoints.inner(group, start, done)
-                if inner is not None:
-                    tracked.inner.add((group, inner.block))
-                    checkpoints[group] = inner
             size = plan.block_size
+            written = None
+            if self._checkpoints is not None:
+                written = self._checkpoints.written(group, start, done)
+                if written is not None and not written.is_block_end(size):
+                    tracked.inner.add((group, written.block))
+                    checkpoints[group] = written
+            resumed = start // size
+            if (
+                group in self._state_groups
+                and start % size
+                and done > (resumed + 1) * size
+                and written != Checkpoint((resumed + 1) * size, resumed)
+            ):
+                # A chunk resuming inside a block and running past its end writes its
+                # final state further on: that block keeps the state it resumed from.
+                tracked.inner.add((group, resumed))
             complete = upto // size
             first = tracked.scanned[group]
             if complete <= first:
@@ -439,7 +451,7 @@ class SchedulerSide:
         tracked: _Tracked,
         done: int,
         table: Sequence[Sequence[int]],
-        checkpoints: Mapping[int, InnerCheckpoint],
+        checkpoints: Mapping[int, Checkpoint],
     ) -> list[BlockRef]:
         """The prompt tails a step leaves, stored before the next step overwrites a state:
         a chunk ending inside a block at a multiple of the tail unit leaves every group's
