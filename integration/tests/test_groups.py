@@ -175,3 +175,15 @@ def test_parallelism_that_splits_a_block_across_ranks_is_refused(setting: str) -
     )
     with pytest.raises(ValueError, match=f"does not support .* yet \\({setting}=2\\)"):
         plan_from_vllm(vllm_config, SimpleNamespace(), "ns")
+
+
+@pytest.mark.parametrize(("dbo", "ubatch"), [(True, 0), (False, 2)])
+def test_layerwise_transfer_refuses_micro_batches(dbo: bool, ubatch: int) -> None:
+    """Each micro-batch runs every layer: a layer's save would go out after the first."""
+    from hybridkv.integration.connector import refuse_layerwise_micro_batches
+
+    parallel = SimpleNamespace(enable_dbo=dbo, ubatch_size=ubatch, use_ubatching=True)
+    with pytest.raises(ValueError, match=f"enable_dbo={dbo}, ubatch_size={ubatch}"):
+        refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=parallel))  # type: ignore[arg-type]
+    off = SimpleNamespace(enable_dbo=False, ubatch_size=0, use_ubatching=False)
+    refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=off))  # type: ignore[arg-type]

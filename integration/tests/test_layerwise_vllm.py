@@ -118,10 +118,10 @@ def test_connector_calls_and_mamba_hook_save_every_layer(rig: Rig) -> None:
 
 def _end_step_saved_every_group(layerwise: VllmLayerwise, rig: Rig) -> None:
     """The step ends with its loads fine and every group's blocks in the pool; close."""
-    end = layerwise.end_step()
-    assert end.loads.ok
-    assert end.saves is not None
-    assert end.saves().bytes > 0
+    assert layerwise.finish_loads().ok
+    saves = layerwise.end_step()
+    assert saves is not None
+    assert saves().bytes > 0
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
     layerwise.close()
 
@@ -137,7 +137,7 @@ def test_cache_written_in_kernel_is_saved_after_the_kernel(rig: Rig) -> None:
     layerwise.save_layer(ATTENTION[0])
     assert rig.strategy.stats.layers_saved == 1
     forward(layerwise, rig, ctx[MIXER], 10)
-    assert layerwise.end_step().saves is not None
+    assert layerwise.end_step() is not None
     layerwise.close()
 
 
@@ -191,7 +191,8 @@ def test_a_loaded_state_is_copied_in_its_layers_pre_hook_after_its_load(rig: Rig
     assert rig.strategy.stats.finish_wait_s == 0  # and nothing waited for every load
     forward(layerwise, rig, ctx[MIXER], 0)
     assert copy.copied == [([MIXER], 43)]  # in the mixer's pre-hook, its load landed
-    assert layerwise.end_step().loads.ok
+    assert layerwise.finish_loads().ok
+    layerwise.end_step()
     layerwise.close()
 
 
@@ -200,7 +201,8 @@ def test_without_running_hooks_a_loaded_state_is_copied_before_the_forward(rig: 
     copy = CopyRecorder(rig)
     layerwise.copy_loaded_states([StateCopyJob([MIXER, ATTENTION[0]], copy)])
     assert copy.copied == [([MIXER, ATTENTION[0]], 43)]  # now, after every load
-    assert layerwise.end_step().loads.ok
+    assert layerwise.finish_loads().ok
+    layerwise.end_step()
     layerwise.close()
 
 
@@ -214,11 +216,11 @@ def _other_saves(rig: Rig) -> list[BlockTransfer]:
 def _failed_every_load(layerwise: VllmLayerwise, rig: Rig, loads: dict[int, set[int]]) -> None:
     """The step ends with `loads` failed (vLLM recomputes them) and nothing saved; no
     object is blamed (quarantined): the client raised, not a read of them."""
-    assert layerwise.finish_loads()
-    end = layerwise.end_step()
-    assert end.loads.failed_blocks == loads
-    assert end.loads.failed_keys == []
-    assert end.saves is None
+    loaded = layerwise.finish_loads()
+    assert loaded.failed_blocks == loads
+    assert loaded.failed_keys == []
+    assert layerwise.end_step() is None
+    assert layerwise.finish_loads() is loaded  # the same answer all step
     assert not any(rig.readable(group, SAVED, "n") for group in (0, 1, 2))
 
 
@@ -261,10 +263,10 @@ def test_an_op_raising_in_a_window_fails_every_load_blaming_the_failed_read(rig:
     layerwise, _ = _loaded_step(rig, True, failing=failed.__eq__)
     with pytest.raises(RuntimeError, match="kernel"), layerwise.window(ATTENTION[0]):
         raise RuntimeError("the kernel failed")
-    assert layerwise.finish_loads()
-    end = layerwise.end_step()
-    assert end.loads.failed_blocks == {group: set(BLOCKS) for group in (0, 1, 2)}
-    assert end.loads.failed_keys == [failed]
+    loaded = layerwise.finish_loads()
+    assert loaded.failed_blocks == {group: set(BLOCKS) for group in (0, 1, 2)}
+    assert loaded.failed_keys == [failed]
+    assert layerwise.end_step() is None
     layerwise.close()
 
 

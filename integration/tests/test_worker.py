@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from hybridkv.integration.metadata import (
     RequestTransfers,
     StateCopy,
 )
-from hybridkv.integration.strategy import StepEnd, Transfers, TransferStrategy, WholeBlocks
+from hybridkv.integration.strategy import SaveWait, Transfers, TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
 from hybridkv.transport import (
@@ -334,6 +335,119 @@ def test_failed_load_reports_local_blocks(rig: Any) -> None:
     assert worker.take_failed_keys() == set()
 
 
+def test_failed_blocks_asked_for_before_wait_for_save_are_this_step_s(rig: Any) -> None:
+    """With a speculative config, vLLM's V1 runner asks for the failed blocks before
+    `wait_for_save` (which it defers past the draft model's forward): they must be this
+    step's, or the step's sampled tokens stand on KV that never loaded."""
+    worker, _, store = rig
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1)]))])
+    for operation in ("batch_get_whole", "get_ranges"):  # whole objects / layer ranges
+        store.fail_next(operation, lambda key: True, Status.TRANSFER_FAILED)
+    saves = _refs([(0, 1, 6)])
+    worker.begin_step(
+        HybridKVMetadata([RequestTransfers(request_id="b", loads=_refs([(0, 0, 5)]), saves=saves)])
+    )
+    worker.start_async_loads()
+    assert worker.take_load_errors() == {5}  # before wait_for_save
+    assert worker.take_failed_keys() == set(_keys(worker, _refs([(0, 0, 5)])))
+    worker.end_step()  # the deferred wait_for_save: the loads are not reported twice
+    worker.barrier()
+    assert worker.take_load_errors() == set()
+    assert worker.take_unsaved() == {("b", 0, 0), ("b", 0, 1)}  # computed over it
+    assert store.batch_is_readable(_keys(worker, saves)) == [False]
+
+
+class _GatedEvent(CpuEvent):
+    """The forward's cache writes, done once `go` is set: a save reads no block before."""
+
+    def __init__(self, go: threading.Event) -> None:
+        self._go = go
+
+    def synchronize(self) -> None:
+        assert self._go.wait(10)
+
+
+@pytest.mark.parametrize("outlive", [True, False])
+def test_where_vllm_writes_blocks_before_the_next_step_s_first_hook_saves_end_in_step(
+    vllm_specs: Any, outlive: bool
+) -> None:
+    """vLLM's V2 runner zeroes and copies blocks before `handle_preemptions`: there a
+    save still reading a block freed (and handed to another request) would store the
+    overwritten bytes, so every save completes within `wait_for_save`. Where that hook
+    comes first, a save may run on after `wait_for_save` (until that barrier)."""
+    keys, caches, layouts = _model(vllm_specs)
+    engine = TransferEngine(MemoryStore(), layouts)
+    go = threading.Event()
+    whole = WholeBlocks(engine, lambda: _GatedEvent(go))
+    worker = WorkerSide(keys, engine, whole, 0, CpuEvent, saves_outlive_step=outlive)
+    try:
+        attn = caches["model.layers.0.attn"]
+        saved = attn[1].clone()
+        saves = _refs([(0, 0, 1)])
+        worker.begin_step(HybridKVMetadata([RequestTransfers(request_id="a", saves=saves)]))
+        if not outlive:
+            go.set()  # else wait_for_save would wait for ever
+        worker.end_step()
+        assert engine.store.batch_is_readable(_keys(worker, saves)) == [not outlive]
+        attn[1].zero_()  # vLLM zeroes the freed block for its next owner
+        go.set()
+        worker.barrier()  # the next step's handle_preemptions
+        _step(worker, [RequestTransfers(request_id="b", loads=_refs([(0, 0, 5)]))])
+        assert worker.take_load_errors() == set()
+        assert torch.equal(attn[5], torch.zeros_like(saved) if outlive else saved)
+    finally:
+        go.set()
+        worker.close()
+
+
+@pytest.mark.parametrize(
+    ("v2", "device", "outlive"),
+    [(False, "cuda", True), (False, "cpu", True), (True, "cuda", False), (False, "npu", False)],
+)
+def test_saves_outlive_the_step_only_on_runners_known_to_call_the_first_hook_first(
+    v2: bool, device: str, outlive: bool
+) -> None:
+    from hybridkv.integration.connector import _preemptions_come_first
+
+    config = SimpleNamespace(use_v2_model_runner=v2)
+    assert _preemptions_come_first(config, device) is outlive  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_layerwise_transfer_asks_vllm_for_piecewise_cuda_graphs(layerwise: bool) -> None:
+    """A full CUDA graph replays attention without the per-layer connector calls: vLLM
+    asks the connector class, and turns FULL graphs into PIECEWISE ones if it says so."""
+    from hybridkv.integration.connector import HybridKVConnector
+
+    extra = {"use_layerwise": layerwise}
+    assert HybridKVConnector.requires_piecewise_for_cudagraph(extra) is layerwise
+
+
+def test_a_background_load_that_raises_at_its_start_fails_its_request(rig: Any) -> None:
+    """An error of the client while starting a background load (not a failed read) is
+    reported as that request's failed load, so vLLM computes it; the engine goes on."""
+    worker, _, _ = rig
+    broken = WorkerSide(worker.keys, _RaisingLoads(worker.engine), worker.strategy, 0, CpuEvent)
+    loads = _refs([(0, 0, 4)])
+    _step(broken, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
+    assert broken.finished(set()) == {"c"}
+    assert broken.take_failed_requests() == {"c"}
+    assert broken.finished(set()) == set()
+
+
+class _RaisingLoads:
+    """An engine whose loads raise when they start."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def load(self, transfers: Any, ready: Any = None) -> Any:
+        raise RuntimeError("the client is gone")
+
+
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_blocks_computed_over_a_failed_load_are_not_saved_but_handed_back(
     rig: Any, ahead: int
@@ -507,16 +621,15 @@ class _RaisingSaves:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def end_step(self, keep_saves: bool = True) -> StepEnd:
-        end: StepEnd = self._inner.end_step(keep_saves)
-        settle = end.saves
+    def end_step(self, keep_saves: bool = True) -> SaveWait:
+        settle = self._inner.end_step(keep_saves)
 
         def broken() -> TransferResult:
             if settle is not None:
                 settle()
             raise RuntimeError("the send thread died")
 
-        return StepEnd(end.loads, broken)
+        return broken
 
 
 def test_a_save_that_raises_counts_every_block_it_put_as_failed(rig: Any) -> None:

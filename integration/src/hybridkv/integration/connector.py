@@ -94,6 +94,18 @@ def plan_from_vllm(
     )
 
 
+def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:
+    """Layerwise transfer takes a layer's connector calls as the whole batch's: with
+    micro-batches (dual-batch overlap), a layer's save would go out after the first."""
+    parallel = vllm_config.parallel_config
+    if parallel.use_ubatching:
+        raise ValueError(
+            "HybridKVConnector's use_layerwise does not support micro-batching "
+            f"(enable_dbo={parallel.enable_dbo}, ubatch_size={parallel.ubatch_size}): "
+            "turn one of them off"
+        )
+
+
 def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     """vLLM's hash unit where its own prefix cache hits inside blocks, else 0.
 
@@ -143,6 +155,15 @@ def _any_rank(tp_group: Any) -> Callable[[bool], bool]:
     return any_rank
 
 
+def _preemptions_come_first(vllm_config: VllmConfig, device: str) -> bool:
+    """Whether vLLM's model runner calls `handle_preemptions` before it zeroes new blocks,
+    copies blocks or computes: then a step's whole-block saves may go on reading their
+    blocks until then. vLLM's V1 runner (CUDA, CPU) does; its V2 runner (the default on
+    CUDA) zeroes and copies blocks first, and other platforms' runners are unchecked:
+    there every save completes within `wait_for_save`."""
+    return not vllm_config.use_v2_model_runner and device in ("cpu", "cuda")
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Reuses KV that any instance stored in the Mooncake pool, for hybrid models too."""
 
@@ -159,6 +180,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
+        if self.config.use_layerwise:
+            refuse_layerwise_micro_batches(vllm_config)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
         self.keys = KeySpace(
             self.plan, model_name(vllm_config.model_config.model), self.config.namespace
@@ -305,7 +328,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves never outlive the step after the one that issued them (the worker waits
-        # for them before any block can be reused), so the blocks can be freed now.
+        # for them before vLLM writes any block again), so the blocks can be freed now.
         self.scheduler_side.forget(request.request_id)
         return False, None
 
@@ -347,6 +370,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             block_copier(kv_caches, self._kv_cache_config.num_blocks),
             _any_rank(tp_group) if tp_group.world_size > 1 else None,
             steps_ahead=self._vllm_config.max_concurrent_batches - 1,
+            saves_outlive_step=_preemptions_come_first(self._vllm_config, device),
         )
         if tp_rank == 0:
             self._server = LookupServer(
@@ -372,7 +396,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return WholeBlocks(engine, lambda: make_event(device))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # First hook of a step, before vLLM zeroes or reuses any block: settle saves.
+        # The first hook of a step: settle the saves still reading blocks (see
+        # `_preemptions_come_first`).
         self.worker_side.barrier()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -437,6 +462,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         snapshots reset every step, these do not.
         """
         return self.worker_side.totals.snapshot(reset)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # A full CUDA graph replays attention without the per-layer connector calls: a
+        # layerwise load would not be waited for before its layer reads the blocks.
+        return parse_extra_config(extra_config).use_layerwise
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

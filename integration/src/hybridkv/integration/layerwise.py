@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hybridkv.integration.strategy import StateCopyJob, StepEnd, Transfers, all_failed
+from hybridkv.integration.strategy import SaveWait, StateCopyJob, Transfers, all_failed
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
@@ -99,6 +99,7 @@ class VllmLayerwise:
         self._object_sizes = dict(object_sizes or {})
         self._hooks_fire = hooks_fire
         self._loads: list[BlockTransfer] = []
+        self._loaded: TransferResult | None = None  # the step's loads, once waited for
         # A hook of this step raised (an error of the client, not a store failure, which
         # the transport reports per block): the step was drained, the rest of the forward
         # passes through, every load counts as failed; those whose reads had failed before
@@ -133,6 +134,7 @@ class VllmLayerwise:
         self._open_windows.clear()
         self._state_copies.clear()
         self._loads = list(loads)
+        self._loaded = None
         self._step_raised = False
         self._failed_before_raise = {}
         with self._failing_the_step():
@@ -195,43 +197,43 @@ class VllmLayerwise:
     def discard_saves(self) -> None:
         self.strategy.taint()
 
-    def finish_loads(self) -> bool:
-        """Wait for every get of the step (an error counts as every load failing)."""
-        return self._guarded(lambda: any(self.strategy.wait_all_loads().values()), True)
+    def finish_loads(self) -> TransferResult:
+        """Wait for every get of the step; an error (now or earlier in the step) counts as
+        every load failing, and blames the reads that had failed before it."""
+        if self._loaded is None:
+            loads = self._loads
+            failed = self._guarded(self.strategy.wait_all_loads, None)
+            if failed is None:  # the step was drained when it raised
+                before = self._failed_before_raise
+                blamed = [t.key for t in loads if t.local_block in before.get(t.group, ())]
+                self._loaded = all_failed(loads, blamed)
+            else:
+                lost = {(group, block) for group, blocks in failed.items() for block in blocks}
+                self._loaded = TransferResult(
+                    failed_blocks=failed,
+                    failed_keys=[t.key for t in loads if (t.group, t.local_block) in lost],
+                    bytes=sum(
+                        self._object_sizes.get(t.group, 0)
+                        for t in loads
+                        if (t.group, t.local_block) not in lost
+                    ),
+                )
+        return self._loaded
 
-    def end_step(self, keep_saves: bool = True) -> StepEnd:
+    def end_step(self, keep_saves: bool = True) -> SaveWait | None:
         """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
         self._state_copies.clear()
-        loads, self._loads = self._loads, []
-        ended = self._guarded(
-            lambda: (self.strategy.wait_all_loads(), self.strategy.wait_for_save(keep_saves)),
-            None,
-        )
-        if ended is None:  # the step was drained when it raised (perhaps a put)
-            failed = self._failed_before_raise
-            blamed = [t.key for t in loads if t.local_block in failed.get(t.group, ())]
-            return StepEnd(all_failed(loads, blamed))
-        failed, result = ended
-        if result is None:
-            return StepEnd(TransferResult())
-        lost = {(group, block) for group, blocks in failed.items() for block in blocks}
-        loaded_bytes = sum(
-            self._object_sizes.get(t.group, 0)
-            for t in loads
-            if (t.group, t.local_block) not in lost
-        )
+        loaded = self.finish_loads()
+        result = self._guarded(lambda: self.strategy.wait_for_save(keep_saves), None)
+        if result is None:  # no step, or it was drained when it raised (perhaps a put)
+            return None
         # No seconds: the transport's clock spans the whole forward; the exposed tail
         # (take_stats) is what layerwise transfer costs.
         saved = TransferResult(
-            failed_keys=result.failed_keys, bytes=max(result.bytes - loaded_bytes, 0)
+            failed_keys=result.failed_keys, bytes=max(result.bytes - loaded.bytes, 0)
         )
-        loaded = TransferResult(
-            failed_blocks=failed,
-            failed_keys=[t.key for t in loads if (t.group, t.local_block) in lost],
-            bytes=loaded_bytes,
-        )
-        return StepEnd(loaded, lambda: saved)
+        return lambda: saved
 
     def take_stats(self) -> dict[str, float]:
         stats = self.strategy.reset_stats().as_dict()

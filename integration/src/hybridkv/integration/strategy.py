@@ -7,14 +7,17 @@ The worker calls the same points every step, whatever the mode:
   loads, so that hook is too late for anything the forward needs), then
   `copy_loaded_states(copies)` for recurrent states that must move after their load;
 - `wait_for_layer_load(name)` / `save_layer(name)` from vLLM's per-layer connector calls;
-- `end_step()` from `wait_for_save`, after the forward;
+- `finish_loads()` once the forward is done with the step's loads (from `wait_for_save`,
+  or earlier when vLLM asks for failed blocks before it), then `end_step()` from
+  `wait_for_save`;
 - `close()` at shutdown.
 
 `WholeBlocks` (here) moves each object in one piece: loads land before the forward, saves
 start after it and finish in the background. `hybridkv.integration.layerwise.VllmLayerwise`
 moves them layer by layer while the model computes. Either way a step's saves have
-completed before the worker lets vLLM reuse a block (`StepEnd.saves`, waited for by the
-worker's barrier at the next step's first hook).
+completed before the worker lets vLLM reuse a block (what `end_step` returns, waited for
+by the worker's barrier: at the next step's first hook where vLLM calls that before it
+writes any block, else before `wait_for_save` returns).
 """
 
 from __future__ import annotations
@@ -27,19 +30,8 @@ from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferRes
 
 # One step's loads or saves.
 Transfers = Sequence[BlockTransfer]
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """What a step's forward leaves behind.
-
-    `loads`: the step's synchronous loads, complete; their `failed_blocks` hold no valid
-    KV (vLLM recomputes them). `saves`: waits for the step's saves (None: nothing to wait
-    for); the worker calls it before vLLM can reuse a saved block.
-    """
-
-    loads: TransferResult
-    saves: Callable[[], TransferResult] | None = None
+# Waits for a step's saves; their result.
+SaveWait = Callable[[], TransferResult]
 
 
 @dataclass(frozen=True)
@@ -75,12 +67,14 @@ class TransferStrategy(Protocol):
 
     def save_layer(self, layer_name: str) -> None: ...
 
-    def finish_loads(self) -> bool:
-        """After the forward: wait for the step's loads; whether any failed."""
+    def finish_loads(self) -> TransferResult:
+        """After the forward: wait for the step's loads; their result, the same on every
+        call of the step (`failed_blocks` hold no valid KV: vLLM recomputes them)."""
 
-    def end_step(self, keep_saves: bool = True) -> StepEnd:
+    def end_step(self, keep_saves: bool = True) -> SaveWait | None:
         """After `finish_loads` (vLLM's `wait_for_save`); `keep_saves=False`: a load failed
-        on some rank, save nothing more."""
+        on some rank, save nothing more. Returns what waits for the step's saves (None:
+        nothing to wait for); the worker calls it before vLLM can reuse a saved block."""
 
     def take_stats(self) -> dict[str, float]:
         """Mode-specific counters since the last call (summed into the connector stats)."""
@@ -130,17 +124,16 @@ class WholeBlocks:
     def save_layer(self, layer_name: str) -> None:
         return None
 
-    def finish_loads(self) -> bool:
-        return any(self._loaded.failed_blocks.values())
+    def finish_loads(self) -> TransferResult:
+        return self._loaded  # begin_step waited for them
 
-    def end_step(self, keep_saves: bool = True) -> StepEnd:
-        loaded, self._loaded = self._loaded, TransferResult()
+    def end_step(self, keep_saves: bool = True) -> SaveWait | None:
         saves, self._saves = self._saves, []
         if not saves or not keep_saves:
-            return StepEnd(loaded)
+            return None
         ready = self._new_event()
         ready.record()  # the forward's cache writes
-        return StepEnd(loaded, self.engine.save(saves, ready).wait)
+        return self.engine.save(saves, ready).wait
 
     def take_stats(self) -> dict[str, float]:
         return {}

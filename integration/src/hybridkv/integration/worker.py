@@ -19,7 +19,7 @@ from hybridkv.integration.events import HeadStored
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, StateCopy
 from hybridkv.integration.stats import Counters
-from hybridkv.integration.strategy import StateCopyJob, StepEnd, TransferStrategy, all_failed
+from hybridkv.integration.strategy import StateCopyJob, TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
     CacheEntry,
@@ -118,14 +118,19 @@ class WorkerSide:
         copy_block: BlockCopier | None = None,
         any_rank: Callable[[bool], bool] | None = None,
         steps_ahead: int = 1,
+        saves_outlive_step: bool = True,
     ) -> None:
         """`any_rank(flag)`: whether the flag is set on any TP rank, called by every rank
         of the TP group together (None: this rank alone). `steps_ahead`: how many steps
         vLLM schedules before it learns a step's outcome (1 with async scheduling, 0
-        without)."""
+        without). `saves_outlive_step`: whether a step's saves may still read their blocks
+        after `wait_for_save` returns, until the next step's `handle_preemptions` (the
+        barrier): only where vLLM calls that before it zeroes, copies or computes into any
+        block; else every save completes within `wait_for_save`."""
         self.keys = keys
         self._any_rank = any_rank
         self._steps_ahead = steps_ahead
+        self._saves_outlive_step = saves_outlive_step
         self._copy_block = copy_block
         self.engine = engine
         self.strategy = strategy
@@ -144,10 +149,12 @@ class WorkerSide:
         self._sync_loads: list[BlockTransfer] = []  # the step's loads before or in its forward
         self._steps_scheduled_blind = 0  # coming steps vLLM scheduled before a failed load
         self._loads_raised = False
+        self._loads_failed: bool | None = False  # None: the step's loads are not settled
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
         self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
+        self._unstarted: dict[str, list[BlockTransfer]] = {}  # background loads that raised
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
         self._failed_keys: set[str] = set()
@@ -269,6 +276,7 @@ class WorkerSide:
         self._step_saves = saves
         self._sync_loads = sync
         self._loads_raised = False
+        self._loads_failed = None
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
             fence = self._new_event()
@@ -303,34 +311,51 @@ class WorkerSide:
         """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
         waiting, self._async_waiting = self._async_waiting, {}
         for request_id, transfers in waiting.items():
-            self._async_loads[request_id] = (self.engine.load(transfers), transfers)
+            try:
+                self._async_loads[request_id] = (self.engine.load(transfers), transfers)
+            except Exception:  # reported as a failed load: vLLM computes the request
+                logger.exception("hybridkv: starting the background load of %s failed", request_id)
+                self._unstarted[request_id] = transfers
+
+    def settle_loads(self) -> bool:
+        """Wait for the step's loads and record their failures, once per step (vLLM asks
+        for failed blocks before `wait_for_save` when it defers that call past a draft
+        model's forward); whether the step computed over a failed load on any rank."""
+        if self._loads_failed is None:
+            loaded = self.strategy.finish_loads()
+            failed = self._loads_raised or any(loaded.failed_blocks.values())
+            loads, self._sync_loads = self._sync_loads, []
+            if loads and self._any_rank is not None:
+                failed = self._any_rank(failed)  # every rank, every step that loads
+            # A begin that raised lost every load, whatever the strategy made of them (the
+            # client raised: no object is to blame).
+            self._record_sync_load(
+                all_failed(loads, loaded.failed_keys) if self._loads_raised else loaded, loads
+            )
+            self._loads_failed = failed
+        return self._loads_failed
 
     def end_step(self) -> None:
-        """vLLM's `wait_for_save`: settle this step's loads, keep its saves to wait for.
+        """vLLM's `wait_for_save`: settle this step's loads, issue its saves.
 
         A step whose loads failed computed over blocks without valid KV, and so did every
         block it completed after them: the strategy saves none of those (see
         `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
         has recomputed them."""
-        failed = self.strategy.finish_loads() or self._loads_raised
-        if self._sync_loads and self._any_rank is not None:
-            failed = self._any_rank(failed)  # every rank, every step that loads
-        end: StepEnd = self.strategy.end_step(keep_saves=not failed)
+        failed = self.settle_loads()
+        wait = self.strategy.end_step(keep_saves=not failed)
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
-        loads, self._sync_loads = self._sync_loads, []
-        # A begin that raised lost every load, whatever the strategy made of them (the
-        # client raised: no object is to blame).
-        lost = all_failed(loads, end.loads.failed_keys) if self._loads_raised else end.loads
-        self._record_sync_load(lost, loads)
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)
             announce = {}  # what committed before the failure is announced when saved again
             saves = []
-        if end.saves is not None:
-            self._saves.append((end.saves, announce, len(saves)))
+        if wait is not None:
+            self._saves.append((wait, announce, len(saves)))
         self._count(saved_blocks=len(saves), **self.strategy.take_stats())
+        if not self._saves_outlive_step:
+            self.barrier()
 
     def _leave_unsaved(self, saves: Iterable[BlockTransfer]) -> None:
         """Hand blocks to save back to the scheduler (a prompt tail, owned under a
@@ -355,7 +380,10 @@ class WorkerSide:
             except Exception:
                 logger.exception("hybridkv: async load of %s failed", request_id)
                 self._record_load(all_failed(transfers), request_id)
-        return done
+        unstarted, self._unstarted = self._unstarted, {}
+        for request_id, transfers in unstarted.items():
+            self._record_load(all_failed(transfers), request_id)
+        return done | unstarted.keys()
 
     def _wait_for_a_load(self) -> None:
         """On a step that computed nothing, wait (at most IDLE_LOAD_WAIT_S) for a
@@ -374,6 +402,9 @@ class WorkerSide:
         return stored
 
     def take_load_errors(self) -> set[int]:
+        """Local blocks whose load failed, this step's included (settled here if vLLM asks
+        before `wait_for_save`)."""
+        self.settle_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -404,6 +435,7 @@ class WorkerSide:
                 logger.exception("hybridkv: async load failed during shutdown")
         self._async_loads.clear()
         self._async_waiting.clear()
+        self._unstarted.clear()
         self.engine.close()
 
 
