@@ -22,7 +22,7 @@ from _engine_drive import (
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingCommitStore, FailingOpenStore, fail_at_call
 
-from hybridkv.transport import BlockTransfer, sessions
+from hybridkv.transport import BlockTransfer, TransferEngine, sessions
 from hybridkv.transport.errors import Status, StoreUnavailable
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
@@ -50,6 +50,17 @@ def filled_caches_and_saves(seed: int) -> tuple[Caches, list[BlockTransfer]]:
     caches = Caches(num_blocks=8, seed=seed)
     caches.fill()
     return caches, transfers(BLOCKS, prefix=unique_prefix())
+
+
+def save_every_layer_raising(
+    engine: TransferEngine, saves: list[BlockTransfer], error: str
+) -> None:
+    """A layerwise save of every layer, whose step end raises `error`."""
+    step = engine.begin_layerwise(saves=saves)
+    for layer in range(NUM_LAYERS):
+        step.save_layer(layer, CpuEvent())
+    with pytest.raises(RuntimeError, match=error):
+        step.finish()
 
 
 def test_a_range_put_failing_mid_way_revokes_only_its_keys() -> None:
@@ -90,11 +101,7 @@ def test_an_exception_while_preparing_revokes_everything_it_opened() -> None:
     store = FailingOpenStore()
     caches, saves = filled_caches_and_saves(seed=13)
     with engine_for(store, caches, "layer") as engine:
-        step = engine.begin_layerwise(saves=saves)
-        for layer in range(NUM_LAYERS):
-            step.save_layer(layer, CpuEvent())
-        with pytest.raises(RuntimeError, match="crashed after opening"):
-            step.finish()
+        save_every_layer_raising(engine, saves, "crashed after opening")
         assert engine.poll_finished()[0] == {"req"}  # counters released anyway
         outstanding = engine.outstanding("save")
     assert store.batch_is_readable([t.key for t in saves]) == [False] * len(saves)
@@ -108,11 +115,7 @@ def test_a_commit_that_raises_revokes_its_sessions_and_the_keys_can_be_saved_aga
     store = FailingCommitStore()
     caches, saves = filled_caches_and_saves(seed=15)
     with engine_for(store, caches, "layer") as engine:
-        step = engine.begin_layerwise(saves=saves)
-        for layer in range(NUM_LAYERS):
-            step.save_layer(layer, CpuEvent())
-        with pytest.raises(RuntimeError, match="crashed while committing"):
-            step.finish()
+        save_every_layer_raising(engine, saves, "crashed while committing")
         assert store.open_put_sessions() == set()
         assert save(engine, saves, "layer").failed_keys == []
         outstanding = engine.outstanding("save")
