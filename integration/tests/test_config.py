@@ -92,7 +92,9 @@ def test_vllm_mooncake_store_connector_config_carries_over() -> None:
     )
     assert config.load_async
     assert config.save_decode_cache
-    assert config.lookup_port == 6000
+    assert config.lookup_port() == 6000
+    assert config.lookup_port(data_parallel_rank=3) == 6003  # DP engines on one host
+    assert parse_extra_config({}).lookup_port(data_parallel_rank=3) == 0  # published
     assert not config.loads_for("kv_both")  # enable_lookup false: it only stores
     assert config.saves_for("kv_both")
     assert parse_extra_config({}).loads_for("kv_both")
@@ -173,7 +175,7 @@ def test_ascend_store_connector_config_carries_over() -> None:
             "prefill_pp_size": 1,
         }
     )
-    assert config.lookup_port == 6000
+    assert config.lookup_port() == 6000
     assert (config.saves_for("kv_consumer"), config.loads_for("kv_consumer")) == (True, False)
     assert (config.saves_for("kv_producer"), config.loads_for("kv_both")) == (True, True)
     options = config.pipeline_options("cpu")

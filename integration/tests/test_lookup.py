@@ -71,6 +71,31 @@ def test_store_failure_is_an_error_reply_not_a_crash(
     client.close()
 
 
+class _Unanswerable:
+    """A store answer that raises when read (a bug below the server, not a pool failure)."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("not a truth value")
+
+
+def test_an_answer_that_raises_is_an_error_reply_and_the_server_lives_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def readable(keys: Sequence[str]) -> list[object]:
+        return [_Unanswerable() if key == "odd" else key.startswith("yes") for key in keys]
+
+    server = LookupServer(readable)  # type: ignore[arg-type]
+    client = LookupClient(server.address, timeout_ms=2000)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert client.query(["odd"]) is None
+        assert "not a truth value" in caplog.text
+        assert client.query(["yes"]) == [True]  # the thread still answers
+    finally:
+        client.close()
+        server.close()
+
+
 def test_timeout_degrades_to_unknown(caplog: pytest.LogCaptureFixture) -> None:
     context = zmq.Context()
     silent = context.socket(zmq.REP)  # accepts, never answers

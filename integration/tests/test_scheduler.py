@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from conftest import Clock, attention, groups, mamba, request, scheduler_output
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from hybridkv.integration import scheduler
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
-from hybridkv.integration.keying import KeySpace, RequestHashes
+from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
 from hybridkv.integration.scheduler import SchedulerSide
 
 TOKENS = list(range(100, 100 + 200))  # 6 full blocks of 32, plus 8 tokens
@@ -38,10 +39,16 @@ def _side(specs: Any, kinds: Any, shape: ModelShape, **config: Any) -> tuple[Sch
 
 
 def _store(
-    side: SchedulerSide, pool: Pool, tokens: list[int], heads: Sequence[int], upto: int
+    side: SchedulerSide,
+    pool: Pool,
+    tokens: list[int],
+    heads: Sequence[int],
+    upto: int,
+    writer: Any = None,
 ) -> None:
-    """Put every group's blocks of the first `upto` tokens for `heads`."""
-    hashes = RequestHashes(side.plan, "", None)
+    """Put every group's blocks of the first `upto` tokens for `heads` (as `writer`, a
+    request, computed them: its LoRA, salt...)."""
+    hashes = RequestHashes(side.plan, "", None if writer is None else request_extra(writer))
     hashes.cover(tokens, upto)
     for group, plan in enumerate(side.plan.groups):
         blocks = hashes.for_group(plan.block_size)[: upto // plan.block_size]
@@ -223,6 +230,13 @@ def test_salt_and_lora_change_the_keys(vllm_specs: Any) -> None:
     side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     _store(side, pool, TOKENS, [0], 192)
     assert side.num_new_matched_tokens(request("a", TOKENS, cache_salt="s"), 0) == (0, False)
+    # A LoRA name pointed at another adapter is another LoRA (vLLM hashes the path too).
+    lora = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v1")
+    _store(side, pool, TOKENS, [0], 192, writer=request("w", TOKENS, lora_request=lora))
+    again = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v1")
+    moved = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v2")
+    assert side.num_new_matched_tokens(request("b", TOKENS, lora_request=again), 0) == (192, False)
+    assert side.num_new_matched_tokens(request("c", TOKENS, lora_request=moved), 0) == (0, False)
 
 
 def test_a_reset_moves_every_key_to_a_new_generation(vllm_specs: Any) -> None:

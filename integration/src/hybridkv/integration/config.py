@@ -106,10 +106,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.lookup_rpc_port and self.mooncake_rpc_port:
             raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")
 
-    @property
-    def lookup_port(self) -> int:
-        """The fixed lookup port (0: published by worker rank 0)."""
-        return self.lookup_rpc_port or self.mooncake_rpc_port
+    def lookup_port(self, data_parallel_rank: int = 0) -> int:
+        """The fixed lookup port of a data-parallel engine (0: published by its worker rank
+        0): engines on one host each take their own, the configured port plus their rank."""
+        port = self.lookup_rpc_port or self.mooncake_rpc_port
+        return port + data_parallel_rank if port else 0
 
     def pipeline_options(
         self, device: str, rdma: bool = False, contiguous: bool = False

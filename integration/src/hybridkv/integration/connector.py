@@ -243,9 +243,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Not vLLM's connector handshake: under a MultiConnector only the first child's
         # handshake metadata reaches the scheduler, so ours could shadow (or be shadowed
         # by) NIXL's. The scheduler is the file's only reader and removes it on reading.
-        if self.config.lookup_port:
-            return f"tcp://{LOOPBACK}:{self.config.lookup_port}"
+        if self._lookup_port:
+            return f"tcp://{LOOPBACK}:{self._lookup_port}"
         return take_published_address(rendezvous_path(self._instance))
+
+    @property
+    def _lookup_port(self) -> int:
+        return self.config.lookup_port(self._vllm_config.parallel_config.data_parallel_rank)
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -374,9 +378,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if tp_rank == 0:
             self._server = LookupServer(
-                engine.batch_is_readable, self.config.lookup_port, self._remove_from_pool
+                engine.batch_is_readable, self._lookup_port, self._remove_from_pool
             )
-            if not self.config.lookup_port:
+            if not self._lookup_port:
                 self._published = rendezvous_path(self._instance)
                 publish_port(self._published, self._server.port)
                 atexit.register(self._published.unlink, missing_ok=True)  # if never shut down

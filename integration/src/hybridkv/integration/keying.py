@@ -24,8 +24,8 @@ def request_extra(request: Any) -> object:
     """
     extra: dict[str, object] = {}
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        extra["lora"] = lora.lora_name
+    if lora is not None:  # the path too, as vLLM: a name may be pointed at another adapter
+        extra["lora"] = [lora.lora_name, lora.lora_path]
     salt = getattr(request, "cache_salt", None)
     if salt:
         extra["salt"] = salt

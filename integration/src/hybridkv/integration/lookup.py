@@ -133,7 +133,12 @@ class LookupServer:
                 if not poller.poll(_POLL_MS):
                     continue
                 payload = self._socket.recv()
-                self._socket.send(_encode(self._answer(payload)))
+                try:
+                    reply = self._answer(payload)
+                except Exception as exc:  # a bug must not end the thread: lookups would
+                    logger.exception("hybridkv lookup server failed to answer")  # time out
+                    reply = LookupReply(error=f"lookup failed: {type(exc).__name__}: {exc}")
+                self._socket.send(_encode(reply))
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     return
