@@ -51,6 +51,7 @@ def _side(
     checkpoint_blocks: int = 1,
     pool: set[str] | None = None,
     conv: bool = False,
+    config: ConnectorConfig | None = None,
 ) -> SchedulerSide:
     """The connector's scheduler side for attention beside a Mamba2-like layer (and a
     short conv with `conv`); with a `pool` (the keys it holds), prompt tails at multiples
@@ -64,7 +65,7 @@ def _side(
     assert (checkpoints is None) == (checkpoint_blocks == 0)
     held = pool if pool is not None else set()
     return SchedulerSide(
-        KeySpace(plan, "tiny"), ConnectorConfig(), lambda keys: [k in held for k in keys],
+        KeySpace(plan, "tiny"), config or ConnectorConfig(), lambda keys: [k in held for k in keys],
         tail_unit=hash_unit if pool is not None else 0, checkpoints=checkpoints,
     )  # fmt: skip
 
@@ -226,6 +227,32 @@ def test_a_block_a_chunk_resumed_inside_and_ran_past_is_not_saved(
     (transfers,) = reader.build_meta(output).requests
     states = [(ref.index, ref.block_id, ref.tail) for ref in transfers.saves if ref.group == 1]
     assert states == [(5, 89, 0), (6, 90, 400)]
+
+
+def test_a_decode_step_with_draft_tokens_crossing_a_block_end_saves_the_state(
+    vllm_specs: Any,
+) -> None:
+    """Not a resumed prefill chunk: with speculative decoding a step [62, 66) crosses the
+    end of block 0, and vLLM copies the state after 64 tokens into block 0 once the
+    tokens are accepted; with `save_decode_cache` block 0 is saved, state and all."""
+    config = ConnectorConfig(save_decode_cache=True)
+    side = _side(vllm_specs, 64, checkpoint_blocks=0, config=config)
+    prompt = list(range(1000, 1060))
+    tables = ([1, 2], [77, 78])
+    r = request("r", prompt)
+    side.num_new_matched_tokens(r, 0)
+    side.after_alloc(r, tables, 0)
+    output = scheduler_output(new=[("r", tables, 0, 60)], tables={"r": tables})
+    saved = []
+    for computed, scheduled in ((60, 2), (62, 4), (66, 1)):  # the drafts all accepted
+        saved += [
+            (ref.group, ref.index) for t in side.build_meta(output).requests for ref in t.saves
+        ]
+        r.all_token_ids = [*prompt, *range(computed + 1 - len(prompt))]  # and one sampled
+        r.num_tokens = computed + 1
+        output = scheduler_output(cached=[("r", computed, scheduled)], tables={"r": tables})
+    saved += [(ref.group, ref.index) for t in side.build_meta(output).requests for ref in t.saves]
+    assert saved == [(0, 0), (1, 0)]
 
 
 @given(

@@ -432,6 +432,7 @@ def test_a_background_load_that_raises_at_its_start_fails_its_request(rig: Any) 
     _step(broken, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
     assert broken.finished(set()) == {"c"}
     assert broken.take_failed_requests() == {"c"}
+    assert broken.take_failed_keys() == set()  # the client raised: no object is to blame
     assert broken.finished(set()) == set()
 
 

@@ -397,6 +397,7 @@ class SchedulerSide:
         table = current if current is not None else tracked.block_ids
         saves: list[BlockRef] = []
         checkpoints: dict[int, Checkpoint] = {}
+        prefill = start < max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's bound
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             written = None
@@ -407,13 +408,16 @@ class SchedulerSide:
                     checkpoints[group] = written
             resumed = start // size
             if (
-                group in self._state_groups
+                prefill
+                and group in self._state_groups
                 and start % size
                 and done > (resumed + 1) * size
                 and written != Checkpoint((resumed + 1) * size, resumed)
             ):
-                # A chunk resuming inside a block and running past its end writes its
-                # final state further on: that block keeps the state it resumed from.
+                # A prefill chunk resuming inside a block and running past its end writes
+                # its final state further on: that block keeps the state it resumed from.
+                # (A decode step crossing a block end with draft tokens has vLLM copy the
+                # state at the block end into it.)
                 tracked.inner.add((group, resumed))
             complete = upto // size
             first = tracked.scanned[group]

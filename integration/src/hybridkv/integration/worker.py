@@ -377,12 +377,12 @@ class WorkerSide:
             ticket, transfers = self._async_loads.pop(request_id)
             try:
                 self._record_load(ticket.wait(), request_id)
-            except Exception:
+            except Exception:  # the client raised: no object is to blame
                 logger.exception("hybridkv: async load of %s failed", request_id)
-                self._record_load(all_failed(transfers), request_id)
+                self._record_load(all_failed(transfers, []), request_id)
         unstarted, self._unstarted = self._unstarted, {}
         for request_id, transfers in unstarted.items():
-            self._record_load(all_failed(transfers), request_id)
+            self._record_load(all_failed(transfers, []), request_id)
         return done | unstarted.keys()
 
     def _wait_for_a_load(self) -> None:
@@ -436,6 +436,7 @@ class WorkerSide:
         self._async_loads.clear()
         self._async_waiting.clear()
         self._unstarted.clear()
+        self._sync_loads, self._loads_failed = [], False  # nothing left to settle
         self.engine.close()
 
 

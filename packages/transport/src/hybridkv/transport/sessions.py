@@ -655,8 +655,8 @@ class RangedWrites(Writes):
             # An error of the client: not knowing which sessions ended, revoke them all (an
             # ended one is no open session: it stays) and fail every key (`abort` skips a
             # group that got all of its layers).
-            self._revoke(keys)
             self.fail(rows)
+            self._revoke(keys)
             raise
         failed = [row for row, status in zip(rows, statuses, strict=True) if not status.ok]
         self._commit_rows(row for row, status in zip(rows, statuses, strict=True) if status.ok)
