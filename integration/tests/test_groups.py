@@ -180,10 +180,11 @@ def test_parallelism_that_splits_a_block_across_ranks_is_refused(setting: str) -
 @pytest.mark.parametrize(("dbo", "ubatch"), [(True, 0), (False, 2)])
 def test_layerwise_transfer_refuses_micro_batches(dbo: bool, ubatch: int) -> None:
     """Each micro-batch runs every layer: a layer's save would go out after the first."""
+    from vllm.config import ParallelConfig
+
     from hybridkv.integration.connector import refuse_layerwise_micro_batches
 
-    parallel = SimpleNamespace(enable_dbo=dbo, ubatch_size=ubatch, use_ubatching=True)
+    parallel = ParallelConfig(enable_dbo=dbo, ubatch_size=ubatch)
     with pytest.raises(ValueError, match=f"enable_dbo={dbo}, ubatch_size={ubatch}"):
         refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=parallel))  # type: ignore[arg-type]
-    off = SimpleNamespace(enable_dbo=False, ubatch_size=0, use_ubatching=False)
-    refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=off))  # type: ignore[arg-type]
+    refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=ParallelConfig()))  # type: ignore[arg-type]
