@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from conftest import Clock, attention, groups, mamba, request, scheduler_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -306,6 +307,92 @@ def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: 
     # window 64 = 2 blocks before 192 (plus none other); all 6 full blocks; the last state.
     assert loads == {(0, 4, 11), (0, 5, 12)} | {(1, i, 21 + i) for i in range(6)} | {(2, 5, 36)}
     assert transfers.saves == []  # 200 tokens complete no new block
+
+
+def _window_full_state(vllm_specs: Any) -> tuple[SchedulerSide, Pool]:
+    kinds = [
+        (["w"], attention(vllm_specs, window=64)),
+        (["f"], attention(vllm_specs)),
+        (["m"], mamba(vllm_specs)),
+    ]
+    return _side(vllm_specs, kinds, ModelShape(1, 2))
+
+
+def test_a_hit_vllm_cuts_shorter_loads_what_the_shorter_boundary_needs(vllm_specs: Any) -> None:
+    """DeepSeek-V4.1's bounded replay has vLLM cut an external hit to a multiple of its
+    scheduler block size (the lcm over all groups, the replayed ones too): the loads follow
+    the cut, at its own window and state, even one never asked about."""
+    side, pool = _window_full_state(vllm_specs)
+    _store(side, pool, TOKENS, [0], 192)
+    state_at_128 = side.keys.keys(2, [_hashes(side, TOKENS)[3]], [0])
+    pool.keys.difference_update(state_at_128)  # the cut's state is not in the pool
+    req = request("r", TOKENS)
+    assert side.num_new_matched_tokens(req, 0) == (192, False)
+    tables = ([0, 0, 12, 13, 14, 15, 16], [20 + b for b in range(7)], [0, 0, 0, 33, 34, 35, 36])
+    side.take_stats()
+    side.after_alloc(req, tables, 128)
+    assert side.take_stats()["hit_tokens"] == 128
+    meta = side.build_meta(scheduler_output(new=[("r", tables, 128, 64)], tables={"r": tables}))
+    (transfers,) = meta.requests
+    loads = {(ref.group, ref.index, ref.block_id) for ref in transfers.loads}
+    # The window's 2 blocks before 128, 4 full blocks, the state after block 3: its load
+    # fails (the object is missing) and vLLM recomputes the request.
+    assert loads == {(0, 2, 12), (0, 3, 13)} | {(1, i, 20 + i) for i in range(4)} | {(2, 3, 33)}
+    # The step computes blocks 4 and 5 past the cut: saved as usual.
+    assert {(ref.group, ref.index) for ref in transfers.saves} >= {(1, 4), (1, 5)}
+
+
+def test_an_allocation_no_hit_can_explain_is_refused(vllm_specs: Any) -> None:
+    side, pool = _window_full_state(vllm_specs)
+    _store(side, pool, TOKENS, [0], 192)
+    tables = ([0] * 7, [20 + b for b in range(7)], [0] * 7)
+    for external, why in ((200, "the hit was 192"), (100, "not a multiple of 32")):
+        req = request(f"r{external}", TOKENS)
+        assert side.num_new_matched_tokens(req, 0) == (192, False)
+        with pytest.raises(RuntimeError, match=why):
+            side.after_alloc(req, tables, external)
+
+
+def _eagle_side(vllm_specs: Any, use_eagle: bool) -> tuple[SchedulerSide, Pool]:
+    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
+    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ModelShape(1, 2))
+    pool = Pool()
+    side = SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(), pool.query, use_eagle=use_eagle)
+    return side, pool
+
+
+def test_with_eagle_a_hit_drops_its_last_block_as_vllm_s_own_do(vllm_specs: Any) -> None:
+    """EAGLE (and MTP) re-draft the last block of a hit: vLLM drops it from its own hits,
+    and so from the pool's, which must reach one block further."""
+    for use_eagle, hit in ((False, 192), (True, 160)):
+        side, pool = _eagle_side(vllm_specs, use_eagle)
+        _store(side, pool, TOKENS, [0], 192)
+        assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (hit, False)
+
+
+def test_with_eagle_states_are_saved_where_vllm_keeps_them(vllm_specs: Any) -> None:
+    """With EAGLE vLLM ends a prompt's chunks one block earlier (after 160 of 200 tokens, not
+    192) and its last chunk leaves no state at the end of the block it crosses: that block
+    is not saved, the states up to 160 are."""
+    side, _ = _eagle_side(vllm_specs, use_eagle=True)
+    req = request("w", TOKENS)
+    side.after_alloc(req, ([], []), 0)
+    tables = ([100 + b for b in range(7)], [200 + b for b in range(7)])
+    saved = set()
+    for output in (
+        scheduler_output(new=[("w", tables, 0, 160)], tables={"w": tables}),
+        scheduler_output(cached=[("w", 160, 40)], tables={"w": tables}),
+    ):
+        for transfers in side.build_meta(output).requests:
+            saved |= {(ref.group, ref.index) for ref in transfers.saves}
+    assert {index for group, index in saved if group == 1} == set(range(5))
+    assert {index for group, index in saved if group == 0} == set(range(6))
+
+
+def _hashes(side: SchedulerSide, tokens: list[int]) -> list[bytes]:
+    hashes = RequestHashes(side.plan, "", None)
+    hashes.cover(tokens, len(tokens))
+    return hashes.for_group(32)
 
 
 def test_saves_complete_blocks_once_and_skip_null_blocks(vllm_specs: Any) -> None:

@@ -489,3 +489,50 @@ def test_a_cache_salt_keeps_tenants_apart_in_the_pool(
     assert unsalted[2] == 0
     assert same_tenant[2] == HIT
     assert same_tenant[:2] == cold[:2]
+
+
+def _eagle_draft(model: Path) -> Path:
+    """A one-layer EAGLE head beside `model` (weights: vLLM's dummy ones, as the target's)."""
+    import json
+
+    draft = model.parent / f"{model.name}-eagle"
+    config = json.loads((model / "config.json").read_text())
+    draft.mkdir(exist_ok=True)
+    config.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1)
+    (draft / "config.json").write_text(json.dumps(config))
+    return draft
+
+
+def test_with_eagle_a_pool_hit_is_as_long_as_vllm_s_own_and_exact(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EAGLE re-drafts the last block of a hit: vLLM drops it from its own prefix-cache
+    hits (its draft KV saw a next token the new prompt may not share), and a hit from the
+    pool drops it too. Both target and draft run on vLLM's seeded dummy weights."""
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    eagle = {
+        "load_format": "dummy",
+        "speculative_config": {
+            "method": "eagle",
+            "model": str(_eagle_draft(model)),
+            "num_speculative_tokens": 2,
+        },
+    }
+    extra = {"store": "memory", "namespace": "eagle"}
+
+    def run(with_pool: bool, times: int) -> list[tuple[list[int], list[float], int]]:
+        llm = new_llm(model, extra, **eagle, **({} if with_pool else {"kv_transfer_config": None}))
+        try:
+            return [complete(llm) for _ in range(times)]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+    cold, local = run(with_pool=False, times=2)
+    assert (cold[2], local[2]) == (0, HIT - 32)  # vLLM's own hit drops the last block
+    (written,) = run(with_pool=True, times=1)
+    (read,) = run(with_pool=True, times=1)
+    assert written == cold
+    assert read[2] == local[2]
+    assert read[:2] == cold[:2]

@@ -88,10 +88,16 @@ def prefill_checkpoints(
     if not rules:
         return None
     hash_block_size = kv_cache_config.hash_block_size or plan.hash_block_size
-    speculative = vllm_config.speculative_config
     return PrefillCheckpoints(
         rules,
         hash_block_size=hash_block_size,
         alignment_tokens=kv_cache_config.cache_hit_alignment_tokens or hash_block_size,
-        drop_eagle_block=speculative is not None and speculative.use_eagle_block_drop(),
+        drop_eagle_block=drops_eagle_block(vllm_config),
     )
+
+
+def drops_eagle_block(vllm_config: Any) -> bool:
+    """Whether vLLM drops the last block of a prefix hit (speculative decoding on the target
+    model's hidden states: EAGLE, MTP...) so that the draft head recomputes it."""
+    speculative = vllm_config.speculative_config
+    return speculative is not None and bool(speculative.use_eagle_block_drop())

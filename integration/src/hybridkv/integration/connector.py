@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hybridkv.integration.checkpoints import prefill_checkpoints
+from hybridkv.integration.checkpoints import drops_eagle_block, prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
 from hybridkv.integration.events import EventBuilder, PoolAnnouncer, StoredEvents
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
@@ -228,6 +228,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 prompt_tail_unit(vllm_config, kv_cache_config),
                 load_async_required=hybrid,
                 checkpoints=prefill_checkpoints(vllm_config, kv_cache_config, self.plan),
+                use_eagle=drops_eagle_block(vllm_config),
             )
 
     def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:

@@ -194,9 +194,13 @@ class KVPlan:
     def hybrid(self) -> bool:
         return len(self.groups) > 1
 
-    def coordinator(self) -> Coordinator:
+    def coordinator(self, use_eagle: bool = False) -> Coordinator:
+        """`use_eagle`: vLLM drops the last matched block of its own hits (EAGLE, MTP) and
+        keeps Mamba states one block back to match; hits from the pool do the same."""
         # vLLM's own hits land on block boundaries, inside local-attention chunks too.
-        return Coordinator([group.kind for group in self.groups], alignment=self.alignment)
+        return Coordinator(
+            [group.kind for group in self.groups], alignment=self.alignment, use_eagle=use_eagle
+        )
 
     @property
     def alignment(self) -> int:

@@ -84,6 +84,7 @@ class SchedulerSide:
         load_async_required: bool = False,
         clock: Callable[[], float] = time.monotonic,
         checkpoints: PrefillCheckpoints | None = None,
+        use_eagle: bool = False,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
@@ -91,7 +92,8 @@ class SchedulerSide:
         recovers from a failed load of a hybrid model only while the request waits).
         `clock`: the time that quarantined keys are released by. `checkpoints`: the Mamba
         groups whose prefill chunks leave a block holding an inner state (saved only as a
-        prompt tail)."""
+        prompt tail). `use_eagle`: vLLM drops the last block of its own hits (see
+        `drops_eagle_block`); hits from the pool, and the states saved for them, follow."""
         self._checkpoints = checkpoints
         self.keys = keys
         self._events = events
@@ -99,7 +101,7 @@ class SchedulerSide:
         self.config = config
         self._loads = config.loads_for(kv_role)
         self._saves = config.saves_for(kv_role)
-        self.coordinator = self.plan.coordinator()
+        self.coordinator = self.plan.coordinator(use_eagle)
         self._tail_unit = tail_unit if config.prompt_tails else 0
         self._smallest_block = min(group.block_size for group in self.plan.groups)
         self._state_groups = {
@@ -161,7 +163,8 @@ class SchedulerSide:
         if max(top, reach) <= num_computed:
             return 0, False
         tracked = self._track(request)
-        tracked.hashes.cover(request.all_token_ids, top)
+        # Every full block below max_tokens: EAGLE's dropped block lies past the top boundary.
+        tracked.hashes.cover(request.all_token_ids, max_tokens)
         readable = self._readable(tracked, self.coordinator.lookup_mask(max_tokens), num_computed)
         if readable is None:
             return 0, False
@@ -273,20 +276,15 @@ class SchedulerSide:
         pending = self._pending.pop(request.request_id, None)
         if pending is None or external == 0:
             return
-        if pending.local_tokens + external != pending.hit.tokens:
-            raise RuntimeError(
-                f"request {request.request_id}: vLLM allocated {external} external tokens "
-                f"after {pending.local_tokens} local ones, but the hit was "
-                f"{pending.hit.tokens} tokens"
-            )
+        allocated = self._allocated_hit(request.request_id, pending, external)
         loads: list[BlockRef] = []
-        hit = pending.hit.tokens
+        hit = allocated.tokens
         tail_hash = b""  # the prefix's own hash, for the partial blocks of a prompt tail
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             hashes = tracked.hashes.for_group(size)
             ids = block_ids[plan.vllm_group_id]
-            for block, needed in enumerate(pending.hit.load_masks[group]):
+            for block, needed in enumerate(allocated.load_masks[group]):
                 if not needed or block * size < pending.local_tokens:
                     continue  # vLLM's own prefix cache already holds it
                 if ids[block] == NULL_BLOCK_ID:
@@ -299,12 +297,40 @@ class SchedulerSide:
                 else:
                     tail_hash = tail_hash or tracked.hashes.prefix(request.all_token_ids, hit)
                     loads.append(BlockRef(group, block, ids[block], tail_hash, tail=hit))
-            tracked.scanned[group] = max(tracked.scanned[group], pending.hit.tokens // size)
+            tracked.scanned[group] = max(tracked.scanned[group], hit // size)
         self.hit_tokens += external
-        self.tail_hit_tokens += pending.tail_tokens
+        self.tail_hit_tokens += pending.tail_tokens if allocated is pending.hit else 0
         self._ready[request.request_id] = RequestTransfers(
             request_id=request.request_id, loads=loads, load_async=self._load_async
         )
+
+    def _allocated_hit(self, request_id: str, pending: _PendingLoad, external: int) -> Hit:
+        """The hit vLLM allocated: the one looked up, or one it cut shorter.
+
+        vLLM cuts a hit when DeepSeek-V4.1's sliding-window groups replay it (bounded
+        replay, groups this connector does not store): to a multiple of its scheduler
+        block size, the lcm over every group, stored or not. The blocks needed at the
+        shorter boundary were not all asked about: one missing fails the load, and vLLM
+        recomputes the request rather than read KV that is not there.
+        """
+        tokens = pending.local_tokens + external
+        if tokens == pending.hit.tokens:
+            return pending.hit
+        if tokens > pending.hit.tokens or tokens % self.coordinator.alignment:
+            raise RuntimeError(
+                f"request {request_id}: vLLM allocated {external} external tokens after "
+                f"{pending.local_tokens} local ones, but the hit was {pending.hit.tokens} "
+                f"tokens and no shorter hit can end at {tokens} (not a multiple of "
+                f"{self.coordinator.alignment})"
+            )
+        logger.debug(
+            "request %s: vLLM took %d of the %d tokens hit; loading what %d tokens need",
+            request_id,
+            tokens,
+            pending.hit.tokens,
+            tokens,
+        )
+        return Hit(tokens, self.coordinator.load_mask(tokens))
 
     # -- per step ---------------------------------------------------------------------
 
