@@ -126,7 +126,12 @@ class AscendModel:
         self.dsa.forward(NAMES[2], None, self.rig.caches[0, 2], meta(2), output=[])
 
     def stored_layers(self) -> list[int]:
-        """Load the saved objects back into zeroed caches; the first byte of each layer."""
+        """Load the saved objects back into zeroed caches; the first byte of each layer.
+
+        The device first runs every kernel queued: one still writing the caches could
+        otherwise land between the load and the read (an ungated step waits for none)."""
+        assert ascend_runtime.device is not None
+        ascend_runtime.device.synchronize()
         for cache in self.rig.caches.values():
             cache[:] = 0
         self.rig.engine.load(self.rig.transfers(BLOCKS)).wait()
