@@ -38,11 +38,11 @@ def drops_eagle(kind: GroupKind) -> bool:
     return not isinstance(kind, RecurrentState)
 
 
-def eagle_fits(groups: Sequence[GroupKind], use_eagle: bool, tokens: int, cap: int) -> bool:
+def eagle_fits(groups: Sequence[GroupKind], use_eagle: bool, tokens: int, known: int) -> bool:
     """With EAGLE, each attention group's dropped block (the one starting at `tokens`)
-    must lie inside the cap."""
+    must lie inside the known tokens."""
     return not use_eagle or all(
-        tokens + kind.block_size <= cap for kind in groups if drops_eagle(kind)
+        tokens + kind.block_size <= known for kind in groups if drops_eagle(kind)
     )
 
 
@@ -53,11 +53,13 @@ def reach(kind: GroupKind, use_eagle: bool, tokens: int) -> set[int]:
     return blocks
 
 
-def candidates(groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int) -> list[int]:
+def candidates(
+    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int, known: int
+) -> list[int]:
     return [
         tokens
         for tokens in range(alignment, cap + 1, alignment)
-        if eagle_fits(groups, use_eagle, tokens, cap)
+        if eagle_fits(groups, use_eagle, tokens, known)
     ]
 
 
@@ -71,9 +73,11 @@ def find_hit(
     use_eagle: bool,
     max_tokens: int,
     is_readable: IsReadable,
+    known: int | None = None,
 ) -> tuple[int, tuple[tuple[bool, ...], ...]]:
     hit = 0
-    for tokens in candidates(groups, alignment, use_eagle, max_tokens):
+    known = max_tokens if known is None else known
+    for tokens in candidates(groups, alignment, use_eagle, max_tokens, known):
         if all(
             is_readable(group, block)
             for group, kind in enumerate(groups)
@@ -93,39 +97,41 @@ def _kept_mask(
     use_eagle: bool,
     retention: int,
     cap: int,
+    known: int,
     replays: set[int],
 ) -> tuple[tuple[bool, ...], ...]:
     masks = []
     for kind in groups:
         blocks: set[int] = set()
-        for tokens in candidates(groups, alignment, use_eagle, cap):
+        for tokens in candidates(groups, alignment, use_eagle, cap, known):
             thinned = retention > 1 and isinstance(kind, SlidingWindow | RecurrentState)
             if thinned and tokens % (retention * alignment) and tokens not in replays:
                 continue
             blocks |= reach(kind, use_eagle, tokens)
-        masks.append(as_mask(blocks, cap // kind.block_size))
+        masks.append(as_mask(blocks, known // kind.block_size))
     return tuple(masks)
 
 
-def top(groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int) -> int:
-    return max(candidates(groups, alignment, use_eagle, cap), default=0)
+def top(groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int, known: int) -> int:
+    return max(candidates(groups, alignment, use_eagle, cap, known), default=0)
 
 
 def lookup_mask(
-    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, retention: int, max_tokens: int
+    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, max_tokens: int, known: int
 ) -> tuple[tuple[bool, ...], ...]:
-    replays = {top(groups, alignment, use_eagle, max_tokens)}
-    return _kept_mask(groups, alignment, use_eagle, retention, max_tokens, replays)
+    """Every boundary's needs, whatever the retention: another request's replay
+    boundaries can be any."""
+    return _kept_mask(groups, alignment, use_eagle, 1, max_tokens, known, set())
 
 
 def store_mask(
     groups: Sequence[GroupKind], alignment: int, use_eagle: bool, retention: int, num_tokens: int
 ) -> tuple[tuple[bool, ...], ...]:
     replays = {
-        top(groups, alignment, use_eagle, num_tokens),
-        top(groups, alignment, use_eagle, max(0, num_tokens - 1)),
+        top(groups, alignment, use_eagle, num_tokens, num_tokens),
+        top(groups, alignment, use_eagle, max(0, num_tokens - 1), num_tokens),
     }
-    return _kept_mask(groups, alignment, use_eagle, retention, num_tokens, replays)
+    return _kept_mask(groups, alignment, use_eagle, retention, num_tokens, num_tokens, replays)
 
 
 def tail_hit(

@@ -74,20 +74,27 @@ def reader(columns: list[list[bool]]) -> oracle.IsReadable:
 
 
 TOKENS = st.integers(0, 1100)
+# Tokens known past the cap (vLLM: the request's length, one past its cap).
+PAST_CAP = st.integers(0, 70)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.data(), cases(), TOKENS)
-def test_find_hit_matches_oracle(data: st.DataObject, case: Case, max_tokens: int) -> None:
-    columns = data.draw(readable_sets(case, max_tokens))
+@given(st.data(), cases(), TOKENS, PAST_CAP)
+def test_find_hit_matches_oracle(
+    data: st.DataObject, case: Case, max_tokens: int, past_cap: int
+) -> None:
+    known = max_tokens + past_cap
+    columns = data.draw(readable_sets(case, known))
     expected = oracle.find_hit(
-        case.groups, case.alignment, case.use_eagle, max_tokens, reader(columns)
+        case.groups, case.alignment, case.use_eagle, max_tokens, reader(columns), known
     )
     coord = case.coordinator()
-    hit = coord.find_hit(max_tokens, columns)
+    hit = coord.find_hit(max_tokens, columns, known)
     assert (hit.tokens, hit.load_masks) == expected
-    assert coord.find_hit(max_tokens, reader(columns)) == hit
+    assert coord.find_hit(max_tokens, reader(columns), known) == hit
     assert hit.tokens % case.alignment == 0
+    if not past_cap:
+        assert coord.find_hit(max_tokens, columns) == hit
 
 
 @settings(max_examples=200, deadline=None)
@@ -101,39 +108,33 @@ def test_deepseek_v4_shape_matches_oracle(data: st.DataObject, case: Case, max_t
 
 
 @settings(max_examples=300, deadline=None)
-@given(cases(), TOKENS)
-def test_masks_match_oracle(case: Case, tokens: int) -> None:
+@given(cases(), TOKENS, PAST_CAP)
+def test_masks_match_oracle(case: Case, tokens: int, past_cap: int) -> None:
     coord = case.coordinator()
+    known = tokens + past_cap
+    lookup = oracle.lookup_mask(case.groups, case.alignment, case.use_eagle, tokens, known)
+    assert coord.lookup_mask(tokens, known) == lookup
     args = (case.groups, case.alignment, case.use_eagle, case.retention, tokens)
-    assert coord.lookup_mask(tokens) == oracle.lookup_mask(*args)
     assert coord.store_mask(tokens) == oracle.store_mask(*args)
     aligned = tokens // case.alignment * case.alignment
     assert coord.load_mask(aligned) == oracle.load_mask(case.groups, aligned)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.data(), cases(), TOKENS)
+@given(st.data(), cases(), TOKENS, PAST_CAP)
 def test_one_batched_lookup_decides_the_hit(
-    data: st.DataObject, case: Case, max_tokens: int
+    data: st.DataObject, case: Case, max_tokens: int, past_cap: int
 ) -> None:
-    """Asking the store only about `lookup_mask` blocks, in one flat batch, loses no hit
-    the retained boundaries could give."""
-    columns = data.draw(readable_sets(case, max_tokens))
+    """Asking the store only about `lookup_mask` blocks, in one flat batch, loses no hit,
+    under retention too."""
+    known = max_tokens + past_cap
+    columns = data.draw(readable_sets(case, known))
     coord = case.coordinator()
-    mask = coord.lookup_mask(max_tokens)
+    mask = coord.lookup_mask(max_tokens, known)
     is_readable = reader(columns)
     answers = [is_readable(group, block) for group, block in marked_blocks(mask)]
-    hit = coord.find_hit(max_tokens, scatter_readable(mask, answers))
-
-    def asked_and_readable(group: int, block: int) -> bool:
-        return block < len(mask[group]) and mask[group][block] and is_readable(group, block)
-
-    expected = oracle.find_hit(
-        case.groups, case.alignment, case.use_eagle, max_tokens, asked_and_readable
-    )
-    assert (hit.tokens, hit.load_masks) == expected
-    if case.retention == 1:
-        assert hit == coord.find_hit(max_tokens, columns)
+    hit = coord.find_hit(max_tokens, scatter_readable(mask, answers), known)
+    assert hit == coord.find_hit(max_tokens, columns, known)
 
 
 @settings(max_examples=300, deadline=None)
@@ -141,22 +142,27 @@ def test_one_batched_lookup_decides_the_hit(
 def test_store_then_lookup_finds_the_aligned_prefix(
     data: st.DataObject, case: Case, num_tokens: int
 ) -> None:
-    """What one request stores, a later request over the same tokens finds again: a
-    resend (capped at num_tokens - 1), an extension, and with dense retention any
-    shorter cap."""
+    """What one request stores, a later request over the same tokens finds again, as
+    vLLM asks (capped one below its length, which it knows): a resend, an extension
+    however much longer (under retention too: it lands on the stored request's end, not
+    the last retained boundary), and with dense retention any shorter request."""
     coord = case.coordinator()
     stored = coord.store_mask(num_tokens)
-    caps = [num_tokens - 1, num_tokens]
+    longer = num_tokens + data.draw(st.integers(1, 300), label="extension")
+    requests = {num_tokens: coord.max_boundary(num_tokens - 1, num_tokens)}
+    requests[longer] = coord.max_boundary(num_tokens)
     if case.retention == 1:
-        caps.append(data.draw(st.integers(0, num_tokens)))
-    for cap in caps:
-        mask = coord.lookup_mask(cap)
+        shorter = data.draw(st.integers(1, num_tokens), label="shorter")
+        requests[shorter] = coord.max_boundary(shorter - 1, shorter)
+    for length, expected in requests.items():
+        mask = coord.lookup_mask(length - 1, length)
         answers = [
             block < len(stored[group]) and stored[group][block]
             for group, block in marked_blocks(mask)
         ]
-        hit = coord.find_hit(cap, scatter_readable(mask, answers))
-        assert hit.tokens == coord.max_boundary(cap)
+        hit = coord.find_hit(length - 1, scatter_readable(mask, answers), length)
+        # Past the stored request's end only if nothing there is needed (a window of one).
+        assert hit.tokens == expected or (length == longer and hit.tokens > expected), length
         assert hit.load_masks == coord.load_mask(hit.tokens)
 
 

@@ -133,7 +133,30 @@ def test_retention_thins_snapshots_but_keeps_the_replay_boundaries() -> None:
     _, state = coord.store_mask(64 * 10)
     assert blocks(state) == [3, 7, 8, 9]  # resend caps at 639 -> boundary 576 too
     _, asked = coord.lookup_mask(64 * 9 + 3)
-    assert blocks(asked) == [3, 7, 8]
+    assert blocks(asked) == list(range(9))  # another request's replay boundary can be any
+
+
+def test_under_retention_a_longer_request_resumes_where_a_shorter_one_ended() -> None:
+    """A multi-turn conversation: the first turn kept its end (100 tokens: boundary 96)
+    though 96 is no retained boundary; the next, longer turn finds it."""
+    coord = Coordinator([FullAttention(16), SlidingWindow(16, window=16)], retention_interval=4)
+    stored = coord.store_mask(100)
+    mask = coord.lookup_mask(199, 200)
+    answers = [block < len(stored[g]) and stored[g][block] for g, block in marked_blocks(mask)]
+    assert coord.find_hit(199, scatter_readable(mask, answers), 200).tokens == 96
+
+
+def test_with_eagle_a_block_aligned_prompt_loses_one_block_as_in_vllm() -> None:
+    """vLLM caps a 64-token prompt's hit at 63 tokens but matches the dropped block among
+    all four full blocks: 48, not 32."""
+    coord = Coordinator([FullAttention(16)], use_eagle=True)
+    readable = [[True] * 4]
+    assert coord.find_hit(63, readable, known_tokens=64).tokens == 48
+    assert coord.find_hit(63, readable).tokens == 32  # nothing known past the cap
+    assert blocks(coord.lookup_mask(63, 64)[0]) == [0, 1, 2, 3]
+    assert coord.store_mask(64) == ((True,) * 4,)
+    with pytest.raises(ValueError, match="known_tokens 62 is below max_tokens 63"):
+        coord.find_hit(63, readable, known_tokens=62)
 
 
 def test_lookup_asks_sparse_groups_only_for_what_a_boundary_could_need() -> None:

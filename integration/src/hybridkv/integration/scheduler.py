@@ -157,18 +157,21 @@ class SchedulerSide:
         self._stale.discard(request.request_id)  # vLLM computes it afresh
         if not self._loads or not _has_token_ids(request):
             return 0, False  # a consumer told not to load, or no token ids to hash
-        max_tokens = request.num_tokens - 1
-        top = self.coordinator.max_boundary(max_tokens)
+        # vLLM computes at least the last token, but matches EAGLE's dropped block among
+        # every full block of the request.
+        known = request.num_tokens
+        max_tokens = known - 1
+        top = self.coordinator.max_boundary(max_tokens, known)
         reach = max_tokens // self._tail_unit * self._tail_unit if self._tail_unit else top
         if max(top, reach) <= num_computed:
             return 0, False
         tracked = self._track(request)
-        # Every full block below max_tokens: EAGLE's dropped block lies past the top boundary.
-        tracked.hashes.cover(request.all_token_ids, max_tokens)
-        readable = self._readable(tracked, self.coordinator.lookup_mask(max_tokens), num_computed)
+        tracked.hashes.cover(request.all_token_ids, known)
+        mask = self.coordinator.lookup_mask(max_tokens, known)
+        readable = self._readable(tracked, mask, num_computed)
         if readable is None:
             return 0, False
-        aligned = hit = self.coordinator.find_hit(max_tokens, readable)
+        aligned = hit = self.coordinator.find_hit(max_tokens, readable, known)
         if self._tail_unit:
             hit = self._extend_by_tail(tracked, hit, readable, max_tokens, num_computed)
         if hit.tokens <= num_computed:

@@ -111,8 +111,9 @@ class Coordinator:
     every group with `drops_eagle_block` must also have the block starting at the
     boundary readable and inside `max_tokens`: the matched run reaches one block further
     and vLLM drops that last matched block to recompute it for the draft head. With
-    `retention_interval=k`, sparse groups keep (and lookups ask for) their needs only at
-    every k-th aligned boundary plus the replay boundaries of each request.
+    `retention_interval=k`, sparse groups keep their needs only at every k-th aligned
+    boundary plus the replay boundaries of each request (lookups still ask about every
+    boundary: another request's replay boundaries can be any).
     """
 
     __slots__ = ("_alignment", "_eagle", "_eagle_tokens", "_groups", "_retention", "_use_eagle")
@@ -185,23 +186,36 @@ class Coordinator:
     def retention_interval(self) -> int:
         return self._retention
 
-    def max_boundary(self, max_tokens: int) -> int:
+    def max_boundary(self, max_tokens: int, known_tokens: int | None = None) -> int:
         """Largest boundary a hit capped at `max_tokens` could land on.
 
-        With EAGLE the dropped block past the boundary must fit under the cap too.
+        With EAGLE the dropped block past the boundary must lie within `known_tokens`, the
+        tokens whose blocks exist (default `max_tokens`): vLLM caps a hit at the request's
+        length - 1 but matches the dropped block among all the request's full blocks.
         """
         max_tokens = _require_count("max_tokens", max_tokens)
-        return max(0, max_tokens - self._eagle_tokens) // self._alignment * self._alignment
+        known = self._known(max_tokens, known_tokens)
+        top = min(max_tokens, known - self._eagle_tokens)
+        return max(0, top) // self._alignment * self._alignment
 
-    def find_hit(self, max_tokens: int, readable: Readable) -> Hit:
-        """Largest aligned boundary <= `max_tokens` whose needs are readable in every group.
+    def _known(self, max_tokens: int, known_tokens: int | None) -> int:
+        if known_tokens is None:
+            return max_tokens
+        known = _require_count("known_tokens", known_tokens)
+        if known < max_tokens:
+            raise ValueError(f"known_tokens {known} is below max_tokens {max_tokens}")
+        return known
+
+    def find_hit(self, max_tokens: int, readable: Readable, known_tokens: int | None = None) -> Hit:
+        """Largest aligned boundary <= `max_tokens` whose needs are readable in every group
+        (with EAGLE, its dropped block within `known_tokens`, as in `max_boundary`).
 
         Each group in turn lowers the candidate to its own largest readable boundary until
         all agree (vLLM's convergence loop). A group jumps straight below the first miss in
         a candidate's needs: needs only slide left as the boundary shrinks, so every
         boundary in between would still need that block.
         """
-        top = self.max_boundary(max_tokens)
+        top = self.max_boundary(max_tokens, known_tokens)
         columns = self._columns(top, readable)
         tokens = top
         agreed = 0
@@ -213,16 +227,19 @@ class Coordinator:
             group = (group + 1) % len(self._groups)
         return Hit(tokens, self._needed_masks(tokens))
 
-    def lookup_mask(self, max_tokens: int) -> Masks:
+    def lookup_mask(self, max_tokens: int, known_tokens: int | None = None) -> Masks:
         """Blocks to ask the store about so one batched query decides any hit.
 
-        Covers every boundary `find_hit(max_tokens, ...)` can land on (for sparse groups
-        under retention: the retained ones and the top one), with EAGLE's extra block.
+        Covers every boundary `find_hit(max_tokens, ..., known_tokens)` can land on, with
+        EAGLE's extra block. Under retention too: a shorter request keeps its replay
+        boundaries, which need not be retained ones, and a longer one must find them.
         """
-        top = self.max_boundary(max_tokens)
+        max_tokens = _require_count("max_tokens", max_tokens)
+        known = self._known(max_tokens, known_tokens)
+        top = self.max_boundary(max_tokens, known)
+        boundaries = range(self._alignment, top + 1, self._alignment)
         return tuple(
-            self._reach_mask(group, self._boundaries(group, top, (top,)), max_tokens)
-            for group in range(len(self._groups))
+            self._reach_mask(group, boundaries, known) for group in range(len(self._groups))
         )
 
     def store_mask(self, num_tokens: int) -> Masks:
@@ -231,10 +248,10 @@ class Coordinator:
         Dense groups keep every block some reachable boundary needs; sparse groups keep
         only the windows/snapshots of aligned boundaries (under retention, of every k-th
         one and of the two replay boundaries: a resend capped at `num_tokens - 1` and an
-        extension capped at `num_tokens`).
+        extension capped at `num_tokens`, both knowing the blocks of `num_tokens`).
         """
         top = self.max_boundary(num_tokens)
-        replays = (top, self.max_boundary(max(0, num_tokens - 1)))
+        replays = (top, self.max_boundary(max(0, num_tokens - 1), num_tokens))
         return tuple(
             self._reach_mask(group, self._boundaries(group, top, replays), num_tokens)
             for group in range(len(self._groups))
@@ -353,7 +370,7 @@ class Coordinator:
         return columns
 
     def _boundaries(self, group: int, top: int, replays: Iterable[int]) -> Iterable[int]:
-        """Ascending boundaries <= `top` whose needs this group keeps (and asks for)."""
+        """Ascending boundaries <= `top` whose needs this group keeps."""
         step = self._alignment
         if self._retention == 1 or not self._groups[group].sparse:
             return range(step, top + 1, step)
