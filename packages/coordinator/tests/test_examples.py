@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -314,3 +315,13 @@ def test_one_and_zero_answer_as_true_and_false() -> None:
     flat = [1] * len(marked_blocks(mask))
     assert scatter_readable(mask, flat) == scatter_readable(mask, [True] * len(flat))
     assert coord.find_hit(63, lambda group, block: 1).tokens == 48
+
+
+def test_a_custom_kind_needing_a_negative_token_is_refused() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Broken(FullAttention):
+        def first_token_needed(self, tokens: int) -> int:
+            return -16
+
+    with pytest.raises(ValueError, match=r"Broken.first_token_needed\(64\) returned -16"):
+        Coordinator([Broken(16)]).find_hit(64, [[True, True, True, False]])

@@ -51,6 +51,11 @@ class GroupKind(ABC):
         first = self.first_token_needed(tokens)
         if first >= tokens:  # the next token depends on no earlier one
             return -(-tokens // self.block_size)
+        if first < 0:  # a subclass's bug: it would mark blocks from the end of a column
+            raise ValueError(
+                f"{type(self).__name__}.first_token_needed({tokens}) returned {first}, "
+                "not a token index"
+            )
         return first // self.block_size
 
     @abstractmethod
