@@ -67,6 +67,7 @@ def _side(
     return SchedulerSide(
         KeySpace(plan, "tiny"), config or ConnectorConfig(), lambda keys: [k in held for k in keys],
         tail_unit=hash_unit if pool is not None else 0, checkpoints=checkpoints,
+        use_eagle=eagle,
     )  # fmt: skip
 
 
@@ -112,15 +113,28 @@ def test_a_checkpoint_at_the_block_end_is_saved(vllm_specs: Any) -> None:
 
 @pytest.mark.parametrize(
     ("hash_unit", "eagle"),
-    [(16, False), (32, False), (64, True), (16, True)],
+    [(16, False), (32, False), (16, True)],
 )
 def test_a_checkpoint_inside_a_block_or_moved_back_by_eagle_is_not_saved(
     vllm_specs: Any, hash_unit: int, eagle: bool
 ) -> None:
     """Column 2 holds the state after 224 tokens (hash unit 16 or 32: the last unit
-    multiple before 230), or after 128 (EAGLE drops a unit more): saved as block 2, a
+    multiple before 230), or, with EAGLE, a unit before that: saved as block 2, a
     reader asking for the state after 192 tokens would get another one."""
     assert _mamba_saves(vllm_specs, hash_unit, eagle) == []
+
+
+def test_a_checkpoint_eagle_moved_back_to_a_block_end_is_saved_as_that_block(
+    vllm_specs: Any,
+) -> None:
+    """With EAGLE and units of a block, column 2 holds the state after 128 tokens, block
+    1's end (vLLM keeps it, its own column 1 is null): saved as block 1, and a resend of
+    the prompt resumes there (EAGLE: at 128, block 2 being the dropped one)."""
+    assert _mamba_saves(vllm_specs, hash_unit=64, eagle=True) == [(1, 77)]
+    pool: set[str] = set()
+    _put(_side(vllm_specs, 64, eagle=True), pool, _prefill(_side(vllm_specs, 64, eagle=True))[1])
+    reader = _side(vllm_specs, 64, eagle=True, pool=pool)
+    assert reader.num_new_matched_tokens(request("r", PROMPT), 0) == (128, False)
 
 
 def test_mamba_layers_without_checkpoints_save_their_blocks_as_before(vllm_specs: Any) -> None:

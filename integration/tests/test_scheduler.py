@@ -321,7 +321,7 @@ def _window_full_state(vllm_specs: Any) -> tuple[SchedulerSide, Pool]:
 def test_a_hit_vllm_cuts_shorter_loads_what_the_shorter_boundary_needs(vllm_specs: Any) -> None:
     """DeepSeek-V4.1's bounded replay has vLLM cut an external hit to a multiple of its
     scheduler block size (the lcm over all groups, the replayed ones too): the loads follow
-    the cut, at its own window and state, even one never asked about."""
+    the cut, at its own window and state, even one the pool lacks (its load fails)."""
     side, pool = _window_full_state(vllm_specs)
     _store(side, pool, TOKENS, [0], 192)
     state_at_128 = side.keys.keys(2, [_hashes(side, TOKENS)[3]], [0])
@@ -353,11 +353,12 @@ def test_an_allocation_no_hit_can_explain_is_refused(vllm_specs: Any) -> None:
             side.after_alloc(req, tables, external)
 
 
-def _eagle_side(vllm_specs: Any, use_eagle: bool) -> tuple[SchedulerSide, Pool]:
+def _eagle_side(vllm_specs: Any, use_eagle: bool, **config: Any) -> tuple[SchedulerSide, Pool]:
     kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
     plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ModelShape(1, 2))
     pool = Pool()
-    side = SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(), pool.query, use_eagle=use_eagle)
+    keys = KeySpace(plan, "tiny")
+    side = SchedulerSide(keys, ConnectorConfig(**config), pool.query, use_eagle=use_eagle)
     return side, pool
 
 
@@ -388,6 +389,31 @@ def test_with_eagle_states_are_saved_where_vllm_keeps_them(vllm_specs: Any) -> N
             saved |= {(ref.group, ref.index) for ref in transfers.saves}
     assert {index for group, index in saved if group == 1} == set(range(5))
     assert {index for group, index in saved if group == 0} == set(range(6))
+
+
+def test_with_eagle_decode_saves_every_state_block_it_completes(vllm_specs: Any) -> None:
+    """With `save_decode_cache` a request goes on past each block it completes, and stores
+    the block EAGLE drops past it: a later request can hit at that block's end, so its
+    state is saved, the prompt's last one (after 192 tokens) included."""
+    side, _ = _eagle_side(vllm_specs, use_eagle=True, save_decode_cache=True)
+    prompt = TOKENS[:192]
+    req = request("r", list(prompt))
+    side.after_alloc(req, ([], []), 0)
+    tables = ([100 + b for b in range(9)], [200 + b for b in range(9)])
+    steps = [scheduler_output(new=[("r", tables, 0, 160)], tables={"r": tables})]
+    steps.append(scheduler_output(cached=[("r", 160, 32)], tables={"r": tables}))
+    saved = set()
+    for output in steps:
+        for transfers in side.build_meta(output).requests:
+            saved |= {(ref.group, ref.index) for ref in transfers.saves}
+    for done in range(193, 265):  # decode, a token a step
+        req.all_token_ids.append(done % 500)
+        req.num_tokens = done
+        output = scheduler_output(cached=[("r", done - 1, 1)], tables={"r": tables})
+        for transfers in side.build_meta(output).requests:
+            saved |= {(ref.group, ref.index) for ref in transfers.saves}
+    assert {index for group, index in saved if group == 1} == set(range(8))
+    assert {index for group, index in saved if group == 0} == set(range(8))
 
 
 def _hashes(side: SchedulerSide, tokens: list[int]) -> list[bytes]:

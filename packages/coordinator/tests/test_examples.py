@@ -151,6 +151,7 @@ def test_with_eagle_a_block_aligned_prompt_loses_one_block_as_in_vllm() -> None:
     """vLLM caps a 64-token prompt's hit at 63 tokens but matches the dropped block among
     all four full blocks: 48, not 32."""
     coord = Coordinator([FullAttention(16)], use_eagle=True)
+    assert (coord.eagle_tokens, Coordinator([FullAttention(16)]).eagle_tokens) == (16, 0)
     readable = [[True] * 4]
     assert coord.find_hit(63, readable, known_tokens=64).tokens == 48
     assert coord.find_hit(63, readable).tokens == 32  # nothing known past the cap

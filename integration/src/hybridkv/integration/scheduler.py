@@ -53,6 +53,8 @@ class _Tracked:
     request: Any
     hashes: RequestHashes
     store_mask: Masks
+    # The tokens `store_mask` was made for: boundaries up to there are covered.
+    mask_tokens: int
     # Per plan group: blocks below this index are decided (saved, loaded or skipped).
     scanned: list[int]
     # Fallback block table when vLLM offers no current tables (append-only mirror).
@@ -146,11 +148,19 @@ class SchedulerSide:
                 hashes=RequestHashes(
                     self.plan, self.config.namespace, request_extra(request), self.generation
                 ),
-                store_mask=self.coordinator.store_mask(request.num_prompt_tokens),
+                store_mask=self._store_mask(request.num_prompt_tokens),
+                mask_tokens=request.num_prompt_tokens,
                 scanned=[0] * len(self.plan.groups),
             )
             self._tracked[request.request_id] = tracked
         return tracked
+
+    def _store_mask(self, tokens: int) -> Masks:
+        """What to save of a request's first `tokens` tokens. With `save_decode_cache` the
+        request goes on and stores EAGLE's dropped block past them too, so a later one can
+        hit at `tokens` itself: its state there is worth keeping."""
+        reach = self.coordinator.eagle_tokens if self.config.save_decode_cache else 0
+        return self.coordinator.store_mask(tokens + reach)
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
@@ -312,9 +322,10 @@ class SchedulerSide:
 
         vLLM cuts a hit when DeepSeek-V4.1's sliding-window groups replay it (bounded
         replay, groups this connector does not store): to a multiple of its scheduler
-        block size, the lcm over every group, stored or not. The blocks needed at the
-        shorter boundary were not all asked about: one missing fails the load, and vLLM
-        recomputes the request rather than read KV that is not there.
+        block size, the lcm over every group, stored or not. The shorter boundary's needs
+        were asked about but not required (a window or a state there): one the pool lacks
+        fails its load, and vLLM recomputes the request rather than read KV that is not
+        there. vLLM 0.32 cuts to no other count: the refusal below guards its contract.
         """
         tokens = pending.local_tokens + external
         if tokens == pending.hit.tokens:
@@ -430,11 +441,16 @@ class SchedulerSide:
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             written = None
+            sources: dict[int, int] = {}  # block -> the block holding its state instead
             if self._checkpoints is not None:
                 written = self._checkpoints.written(group, start, done)
                 if written is not None and not written.is_block_end(size):
                     tracked.inner.add((group, written.block))
                     checkpoints[group] = written
+                    if written.tokens % size == 0:
+                        # Another block's end (EAGLE moved the checkpoint a block back):
+                        # the state of that block, which vLLM keeps in this one.
+                        sources[written.tokens // size - 1] = written.block
             resumed = start // size
             if (
                 prefill
@@ -455,22 +471,25 @@ class SchedulerSide:
             tracked.hashes.cover(request.all_token_ids, complete * size)
             hashes = tracked.hashes.for_group(size)
             ids = table[plan.vllm_group_id]
-            if complete > len(tracked.store_mask[group]):  # decode went past the mask
-                tracked.store_mask = self.coordinator.store_mask(upto)
+            if complete * size > tracked.mask_tokens:  # decode went past the mask
+                tracked.store_mask = self._store_mask(upto)
+                tracked.mask_tokens = upto
             mask = tracked.store_mask[group]
             for block in range(first, min(complete, len(ids))):
+                source = sources.get(block, block)
                 # Null: a window or a state vLLM already dropped; it is never coming back.
                 # Inner: a state that is not the one at the block's end.
                 if (
                     block < len(mask)
                     and mask[block]
-                    and ids[block] != NULL_BLOCK_ID
+                    and source < len(ids)
+                    and ids[source] != NULL_BLOCK_ID
                     and (group, block) not in tracked.inner
                 ):
                     stored = None
                     if self._events is not None:
                         stored = self._events(request, plan.vllm_group_id, size, block)
-                    saves.append(BlockRef(group, block, ids[block], hashes[block], stored))
+                    saves.append(BlockRef(group, block, ids[source], hashes[block], stored))
             tracked.scanned[group] = complete
         saves.extend(self._tail_saves(tracked, done, table, checkpoints))
         if saves:

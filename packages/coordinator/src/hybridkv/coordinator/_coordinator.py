@@ -183,6 +183,12 @@ class Coordinator:
         return self._use_eagle
 
     @property
+    def eagle_tokens(self) -> int:
+        """How far past a boundary EAGLE's dropped block reaches (its largest block; 0
+        without EAGLE): a request that goes on past `n` tokens can hit at `n` itself."""
+        return self._eagle_tokens
+
+    @property
     def retention_interval(self) -> int:
         return self._retention
 
