@@ -109,8 +109,9 @@ class Coordinator:
     must be a multiple of every block size so a boundary never splits a block. A smaller
     explicit alignment lets hits land inside a `ChunkedLocal` chunk. With `use_eagle`,
     every group with `drops_eagle_block` must also have the block starting at the
-    boundary readable and inside `max_tokens`: the matched run reaches one block further
-    and vLLM drops that last matched block to recompute it for the draft head. With
+    boundary readable and within the known tokens (`known_tokens`, default `max_tokens`):
+    the matched run reaches one block further and vLLM drops that last matched block to
+    recompute it for the draft head. With
     `retention_interval=k`, sparse groups keep their needs only at every k-th aligned
     boundary plus the replay boundaries of each request (lookups still ask about every
     boundary: another request's replay boundaries can be any).
