@@ -124,16 +124,19 @@ def test_a_checkpoint_inside_a_block_or_moved_back_by_eagle_is_not_saved(
     assert _mamba_saves(vllm_specs, hash_unit, eagle) == []
 
 
-def test_a_checkpoint_eagle_moved_back_to_a_block_end_is_saved_as_that_block(
-    vllm_specs: Any,
+@pytest.mark.parametrize(("hash_unit", "eagle"), [(64, True), (128, False)])
+def test_a_checkpoint_moved_back_onto_another_block_s_end_is_saved_as_that_block(
+    vllm_specs: Any, hash_unit: int, eagle: bool
 ) -> None:
-    """With EAGLE and units of a block, column 2 holds the state after 128 tokens, block
-    1's end (vLLM keeps it, its own column 1 is null): saved as block 1, and a resend of
-    the prompt resumes there (EAGLE: at 128, block 2 being the dropped one)."""
-    assert _mamba_saves(vllm_specs, hash_unit=64, eagle=True) == [(1, 77)]
+    """Column 2 holds the state after 128 tokens, block 1's end: EAGLE moved the checkpoint
+    a unit (a block) back, or the unit is two blocks. vLLM keeps it there (its own column 1
+    is null): saved as block 1, and a resend of the prompt resumes there (with EAGLE,
+    block 2 is the dropped one)."""
+    assert _mamba_saves(vllm_specs, hash_unit, eagle) == [(1, 77)]
     pool: set[str] = set()
-    _put(_side(vllm_specs, 64, eagle=True), pool, _prefill(_side(vllm_specs, 64, eagle=True))[1])
-    reader = _side(vllm_specs, 64, eagle=True, pool=pool)
+    writer = _side(vllm_specs, hash_unit, eagle=eagle)
+    _put(writer, pool, _prefill(writer)[1])
+    reader = _side(vllm_specs, hash_unit, eagle=eagle, pool=pool)
     assert reader.num_new_matched_tokens(request("r", PROMPT), 0) == (128, False)
 
 

@@ -148,8 +148,10 @@ def test_under_retention_a_longer_request_resumes_where_a_shorter_one_ended() ->
 
 
 def test_with_eagle_a_block_aligned_prompt_loses_one_block_as_in_vllm() -> None:
-    """vLLM caps a 64-token prompt's hit at 63 tokens but matches the dropped block among
-    all four full blocks: 48, not 32."""
+    """vLLM's hybrid coordinator caps a 64-token prompt's hit at 63 tokens but matches the
+    dropped block among all four full blocks: 48, not 32 (its single-group one, matching
+    nothing past the cap, gives 32; 48 is safe: the stored dropped block shows the writer
+    saw the tokens after 48)."""
     coord = Coordinator([FullAttention(16)], use_eagle=True)
     assert (coord.eagle_tokens, Coordinator([FullAttention(16)]).eagle_tokens) == (16, 0)
     readable = [[True] * 4]

@@ -448,8 +448,8 @@ class SchedulerSide:
                     tracked.inner.add((group, written.block))
                     checkpoints[group] = written
                     if written.tokens % size == 0:
-                        # Another block's end (EAGLE moved the checkpoint a block back):
-                        # the state of that block, which vLLM keeps in this one.
+                        # Another block's end (EAGLE moved the checkpoint back, or its
+                        # unit spans blocks): that block's state, kept in this one.
                         sources[written.tokens // size - 1] = written.block
             resumed = start // size
             if (
