@@ -289,13 +289,17 @@ def test_kv_from_before_a_reset_is_not_saved_under_the_new_generation(vllm_specs
     assert meta.generation == 1
 
 
-def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: Any) -> None:
+def _window_full_state(vllm_specs: Any) -> tuple[SchedulerSide, Pool]:
     kinds = [
         (["w"], attention(vllm_specs, window=64)),
         (["f"], attention(vllm_specs)),
         (["m"], mamba(vllm_specs)),
     ]
-    side, pool = _side(vllm_specs, kinds, ModelShape(1, 2))
+    return _side(vllm_specs, kinds, ModelShape(1, 2))
+
+
+def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: Any) -> None:
+    side, pool = _window_full_state(vllm_specs)
     _store(side, pool, TOKENS, [0], 192)
     req = request("r", TOKENS)
     assert side.num_new_matched_tokens(req, 0) == (192, False)
@@ -309,23 +313,14 @@ def test_hybrid_window_and_state_loads_only_what_the_boundary_needs(vllm_specs: 
     assert transfers.saves == []  # 200 tokens complete no new block
 
 
-def _window_full_state(vllm_specs: Any) -> tuple[SchedulerSide, Pool]:
-    kinds = [
-        (["w"], attention(vllm_specs, window=64)),
-        (["f"], attention(vllm_specs)),
-        (["m"], mamba(vllm_specs)),
-    ]
-    return _side(vllm_specs, kinds, ModelShape(1, 2))
-
-
 def test_a_hit_vllm_cuts_shorter_loads_what_the_shorter_boundary_needs(vllm_specs: Any) -> None:
     """DeepSeek-V4.1's bounded replay has vLLM cut an external hit to a multiple of its
     scheduler block size (the lcm over all groups, the replayed ones too): the loads follow
     the cut, at its own window and state, even one the pool lacks (its load fails)."""
     side, pool = _window_full_state(vllm_specs)
     _store(side, pool, TOKENS, [0], 192)
-    state_at_128 = side.keys.keys(2, [_hashes(side, TOKENS)[3]], [0])
-    pool.keys.difference_update(state_at_128)  # the cut's state is not in the pool
+    # The state at the cut (after block 3) is not in the pool.
+    pool.keys.difference_update(_block_keys(side, TOKENS, 2, slice(3, 4)))
     req = request("r", TOKENS)
     assert side.num_new_matched_tokens(req, 0) == (192, False)
     tables = ([0, 0, 12, 13, 14, 15, 16], [20 + b for b in range(7)], [0, 0, 0, 33, 34, 35, 36])
@@ -353,20 +348,11 @@ def test_an_allocation_no_hit_can_explain_is_refused(vllm_specs: Any) -> None:
             side.after_alloc(req, tables, external)
 
 
-def _eagle_side(vllm_specs: Any, use_eagle: bool, **config: Any) -> tuple[SchedulerSide, Pool]:
-    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
-    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ModelShape(1, 2))
-    pool = Pool()
-    keys = KeySpace(plan, "tiny")
-    side = SchedulerSide(keys, ConnectorConfig(**config), pool.query, use_eagle=use_eagle)
-    return side, pool
-
-
 def test_with_eagle_a_hit_drops_its_last_block_as_vllm_s_own_do(vllm_specs: Any) -> None:
     """EAGLE (and MTP) re-draft the last block of a hit: vLLM drops it from its own hits,
     and so from the pool's, which must reach one block further."""
     for use_eagle, tokens, hit in ((False, 200, 192), (True, 200, 160), (True, 192, 160)):
-        side, pool = _eagle_side(vllm_specs, use_eagle)
+        side, pool = _tail_side(vllm_specs, 0, use_eagle=use_eagle)
         _store(side, pool, TOKENS, [0], 192)
         # A block-aligned prompt too: vLLM caps it at 191 tokens, but matches all six blocks
         assert side.num_new_matched_tokens(request("r", TOKENS[:tokens]), 0) == (hit, False)
@@ -376,7 +362,7 @@ def test_with_eagle_states_are_saved_where_vllm_keeps_them(vllm_specs: Any) -> N
     """With EAGLE vLLM ends a prompt's chunks one block earlier (after 160 of 200 tokens, not
     192) and its last chunk leaves no state at the end of the block it crosses: that block
     is not saved, the states up to 160 are."""
-    side, _ = _eagle_side(vllm_specs, use_eagle=True)
+    side, _ = _tail_side(vllm_specs, 0, use_eagle=True)
     req = request("w", TOKENS)
     side.after_alloc(req, ([], []), 0)
     tables = ([100 + b for b in range(7)], [200 + b for b in range(7)])
@@ -395,7 +381,7 @@ def test_with_eagle_decode_saves_every_state_block_it_completes(vllm_specs: Any)
     """With `save_decode_cache` a request goes on past each block it completes, and stores
     the block EAGLE drops past it: a later request can hit at that block's end, so its
     state is saved, the prompt's last one (after 192 tokens) included."""
-    side, _ = _eagle_side(vllm_specs, use_eagle=True, save_decode_cache=True)
+    side, _ = _tail_side(vllm_specs, 0, use_eagle=True, save_decode_cache=True)
     prompt = TOKENS[:192]
     req = request("r", list(prompt))
     side.after_alloc(req, ([], []), 0)
@@ -414,12 +400,6 @@ def test_with_eagle_decode_saves_every_state_block_it_completes(vllm_specs: Any)
             saved |= {(ref.group, ref.index) for ref in transfers.saves}
     assert {index for group, index in saved if group == 1} == set(range(8))
     assert {index for group, index in saved if group == 0} == set(range(8))
-
-
-def _hashes(side: SchedulerSide, tokens: list[int]) -> list[bytes]:
-    hashes = RequestHashes(side.plan, "", None)
-    hashes.cover(tokens, len(tokens))
-    return hashes.for_group(32)
 
 
 def test_saves_complete_blocks_once_and_skip_null_blocks(vllm_specs: Any) -> None:
@@ -504,15 +484,24 @@ ONE_RANK = ModelShape(tp_size=1, total_kv_heads=2)
 
 
 def _tail_side(
-    vllm_specs: Any, tail_unit: int = 8, shape: ModelShape = ONE_RANK, **config: Any
+    vllm_specs: Any,
+    tail_unit: int = 8,
+    shape: ModelShape = ONE_RANK,
+    use_eagle: bool = False,
+    **config: Any,
 ) -> tuple[SchedulerSide, Pool]:
-    """Full attention beside a Mamba state, 32-token blocks, vLLM hitting every 8 tokens."""
+    """Full attention beside a Mamba state, 32-token blocks, vLLM hitting every
+    `tail_unit` tokens (0: at block ends only)."""
     heads = shape.total_kv_heads // shape.tp_size or 1
     kinds = [(["a"], attention(vllm_specs, heads=heads)), (["m"], mamba(vllm_specs))]
     plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], shape)
     pool = Pool()
     side = SchedulerSide(
-        KeySpace(plan, "tiny"), ConnectorConfig(**config), pool.query, tail_unit=tail_unit
+        KeySpace(plan, "tiny"),
+        ConnectorConfig(**config),
+        pool.query,
+        tail_unit=tail_unit,
+        use_eagle=use_eagle,
     )
     return side, pool
 

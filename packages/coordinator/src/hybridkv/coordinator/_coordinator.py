@@ -111,10 +111,10 @@ class Coordinator:
     every group with `drops_eagle_block` must also have the block starting at the
     boundary readable and within the known tokens (`known_tokens`, default `max_tokens`):
     the matched run reaches one block further and vLLM drops that last matched block to
-    recompute it for the draft head. With
-    `retention_interval=k`, sparse groups keep their needs only at every k-th aligned
-    boundary plus the replay boundaries of each request (lookups still ask about every
-    boundary: another request's replay boundaries can be any).
+    recompute it for the draft head. With `retention_interval=k`, sparse groups keep their
+    needs only at every k-th aligned boundary plus the replay boundaries of each request
+    (lookups still ask about every boundary: another request's replay boundaries can be
+    any).
     """
 
     __slots__ = ("_alignment", "_eagle", "_eagle_tokens", "_groups", "_retention", "_use_eagle")
