@@ -57,6 +57,37 @@ def test_unknown_spec_is_refused(vllm_specs: Any) -> None:
         plan_groups(config, [0], SHAPE)
 
 
+def test_eagle_drops_where_vllm_s_coordinator_does(vllm_specs: Any) -> None:
+    """vLLM drops EAGLE's block in the groups it marks as the draft head's, in every group
+    of an equal spec (it looks them up together), and in all groups when it marks none."""
+    config = groups(
+        vllm_specs,
+        (["target.0"], attention(vllm_specs, 64)),
+        (["target.1"], attention(vllm_specs, 32)),
+        (["draft"], attention(vllm_specs, 32)),
+        (["m"], mamba(vllm_specs, 64)),
+    )
+
+    def drafted(marked: set[int], cacheable: list[int]) -> list[int]:
+        for group_id, group in enumerate(config):
+            group.is_eagle_group = group_id in marked
+        plan = plan_groups(config, cacheable, SHAPE)
+        return [group.vllm_group_id for group in plan.groups if group.drafted]
+
+    assert drafted(set(), [0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert drafted({2}, [0, 1, 2, 3]) == [1, 2]  # group 1's spec equals the draft's
+    assert drafted({2}, [0, 1, 3]) == []  # a marked group outside the lookup spreads nothing
+    assert drafted({0}, [0, 1, 2, 3]) == [0]
+    # The draft's 32-token block after 192 fits in 224 tokens; the target's 64 would not.
+    drafted({2}, [0, 2])
+    plan = plan_groups(config, [0, 2], SHAPE)
+    readable = [[True] * 3, [True] * 7]
+    assert plan.coordinator(use_eagle=True).find_hit(223, readable, 224).tokens == 192
+    drafted(set(), [0, 2])
+    every = plan_groups(config, [0, 2], SHAPE).coordinator(use_eagle=True)
+    assert every.find_hit(223, readable, 224).tokens == 128
+
+
 def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
     def digest(tp: int, block: int, heads: int, namespace: str = "") -> str:
         config = groups(vllm_specs, (["a"], attention(vllm_specs, block, heads)))

@@ -3,7 +3,7 @@ boundary, with no shared code from the package beyond the kind classes themselve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from hybridkv.coordinator import (
     ChunkedLocal,
@@ -38,28 +38,40 @@ def drops_eagle(kind: GroupKind) -> bool:
     return not isinstance(kind, RecurrentState)
 
 
-def eagle_fits(groups: Sequence[GroupKind], use_eagle: bool, tokens: int, known: int) -> bool:
-    """With EAGLE, each attention group's dropped block (the one starting at `tokens`)
-    must lie inside the known tokens."""
-    return not use_eagle or all(
-        tokens + kind.block_size <= known for kind in groups if drops_eagle(kind)
+def dropping(
+    groups: Sequence[GroupKind], use_eagle: bool, eagle_groups: Collection[int] | None
+) -> frozenset[int]:
+    """The groups whose hits EAGLE drops a block of: its attention groups, all of them
+    or those named."""
+    return frozenset(
+        group
+        for group, kind in enumerate(groups)
+        if use_eagle and drops_eagle(kind) and (eagle_groups is None or group in eagle_groups)
     )
 
 
-def reach(kind: GroupKind, use_eagle: bool, tokens: int) -> set[int]:
+def eagle_fits(
+    groups: Sequence[GroupKind], eagle: Collection[int], tokens: int, known: int
+) -> bool:
+    """Each dropping group's dropped block (the one starting at `tokens`) must lie inside
+    the known tokens."""
+    return all(tokens + groups[group].block_size <= known for group in eagle)
+
+
+def reach(kind: GroupKind, drops: bool, tokens: int) -> set[int]:
     blocks = needs(kind, tokens)
-    if use_eagle and drops_eagle(kind) and tokens > 0:
+    if drops and tokens > 0:
         blocks.add(tokens // kind.block_size)
     return blocks
 
 
 def candidates(
-    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int, known: int
+    groups: Sequence[GroupKind], alignment: int, eagle: Collection[int], cap: int, known: int
 ) -> list[int]:
     return [
         tokens
         for tokens in range(alignment, cap + 1, alignment)
-        if eagle_fits(groups, use_eagle, tokens, known)
+        if eagle_fits(groups, eagle, tokens, known)
     ]
 
 
@@ -70,18 +82,18 @@ def as_mask(blocks: set[int], length: int) -> tuple[bool, ...]:
 def find_hit(
     groups: Sequence[GroupKind],
     alignment: int,
-    use_eagle: bool,
+    eagle: Collection[int],
     max_tokens: int,
     is_readable: IsReadable,
     known: int | None = None,
 ) -> tuple[int, tuple[tuple[bool, ...], ...]]:
     hit = 0
     known = max_tokens if known is None else known
-    for tokens in candidates(groups, alignment, use_eagle, max_tokens, known):
+    for tokens in candidates(groups, alignment, eagle, max_tokens, known):
         if all(
             is_readable(group, block)
             for group, kind in enumerate(groups)
-            for block in reach(kind, use_eagle, tokens)
+            for block in reach(kind, group in eagle, tokens)
         ):
             hit = tokens
     return hit, load_mask(groups, hit)
@@ -94,50 +106,60 @@ def load_mask(groups: Sequence[GroupKind], tokens: int) -> tuple[tuple[bool, ...
 def _kept_mask(
     groups: Sequence[GroupKind],
     alignment: int,
-    use_eagle: bool,
+    eagle: Collection[int],
     retention: int,
     cap: int,
     known: int,
     replays: set[int],
 ) -> tuple[tuple[bool, ...], ...]:
     masks = []
-    for kind in groups:
+    for group, kind in enumerate(groups):
         blocks: set[int] = set()
-        for tokens in candidates(groups, alignment, use_eagle, cap, known):
+        for tokens in candidates(groups, alignment, eagle, cap, known):
             thinned = retention > 1 and isinstance(kind, SlidingWindow | RecurrentState)
             if thinned and tokens % (retention * alignment) and tokens not in replays:
                 continue
-            blocks |= reach(kind, use_eagle, tokens)
+            blocks |= reach(kind, group in eagle, tokens)
         masks.append(as_mask(blocks, known // kind.block_size))
     return tuple(masks)
 
 
-def top(groups: Sequence[GroupKind], alignment: int, use_eagle: bool, cap: int, known: int) -> int:
-    return max(candidates(groups, alignment, use_eagle, cap, known), default=0)
+def top(
+    groups: Sequence[GroupKind], alignment: int, eagle: Collection[int], cap: int, known: int
+) -> int:
+    return max(candidates(groups, alignment, eagle, cap, known), default=0)
 
 
 def lookup_mask(
-    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, max_tokens: int, known: int
+    groups: Sequence[GroupKind],
+    alignment: int,
+    eagle: Collection[int],
+    max_tokens: int,
+    known: int,
 ) -> tuple[tuple[bool, ...], ...]:
     """Every boundary's needs, whatever the retention: another request's replay
     boundaries can be any."""
-    return _kept_mask(groups, alignment, use_eagle, 1, max_tokens, known, set())
+    return _kept_mask(groups, alignment, eagle, 1, max_tokens, known, set())
 
 
 def store_mask(
-    groups: Sequence[GroupKind], alignment: int, use_eagle: bool, retention: int, num_tokens: int
+    groups: Sequence[GroupKind],
+    alignment: int,
+    eagle: Collection[int],
+    retention: int,
+    num_tokens: int,
 ) -> tuple[tuple[bool, ...], ...]:
     replays = {
-        top(groups, alignment, use_eagle, num_tokens, num_tokens),
-        top(groups, alignment, use_eagle, max(0, num_tokens - 1), num_tokens),
+        top(groups, alignment, eagle, num_tokens, num_tokens),
+        top(groups, alignment, eagle, max(0, num_tokens - 1), num_tokens),
     }
-    return _kept_mask(groups, alignment, use_eagle, retention, num_tokens, num_tokens, replays)
+    return _kept_mask(groups, alignment, eagle, retention, num_tokens, num_tokens, replays)
 
 
 def tail_hit(
     groups: Sequence[GroupKind],
     alignment: int,
-    use_eagle: bool,
+    eagle: Collection[int],
     max_tokens: int,
     unit: int,
     limit: int,
@@ -148,8 +170,8 @@ def tail_hit(
     ending inside a block of every group whose needs are readable: full blocks as such,
     the block holding the boundary's last token as that group's partial object
     (`is_tail_readable(group, T)`), among the `limit` largest whose full blocks are."""
-    hit, masks = find_hit(groups, alignment, use_eagle, max_tokens, is_readable)
-    if use_eagle:
+    hit, masks = find_hit(groups, alignment, eagle, max_tokens, is_readable)
+    if eagle:
         return hit, masks
     inside = [
         tokens

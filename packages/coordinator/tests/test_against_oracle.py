@@ -36,9 +36,17 @@ class Case:
     alignment: int
     use_eagle: bool
     retention: int
+    eagle_groups: frozenset[int] | None = None
 
     def coordinator(self) -> Coordinator:
-        return Coordinator(self.groups, self.alignment, self.use_eagle, self.retention)
+        return Coordinator(
+            self.groups, self.alignment, self.use_eagle, self.retention, self.eagle_groups
+        )
+
+    @property
+    def eagle(self) -> frozenset[int]:
+        """The groups whose hits EAGLE drops a block of."""
+        return oracle.dropping(self.groups, self.use_eagle, self.eagle_groups)
 
 
 @st.composite
@@ -50,7 +58,12 @@ def cases(draw: st.DrawFn, groups: st.SearchStrategy[list[GroupKind]] | None = N
     alignment = lcm * draw(st.sampled_from([1, 1, 2, 3]))
     sparse = any(isinstance(kind, SlidingWindow | RecurrentState) for kind in kinds)
     retention = draw(st.integers(1, 4)) if sparse else 1
-    return Case(kinds, alignment, draw(st.booleans()), retention)
+    use_eagle = draw(st.booleans())
+    # vLLM names the draft head's groups (`is_eagle_group`) or, naming none, drops on all.
+    eagle_groups = None
+    if use_eagle and draw(st.booleans()):
+        eagle_groups = draw(st.frozensets(st.integers(0, len(kinds) - 1)))
+    return Case(kinds, alignment, use_eagle, retention, eagle_groups)
 
 
 @st.composite
@@ -86,7 +99,7 @@ def test_find_hit_matches_oracle(
     known = max_tokens + past_cap
     columns = data.draw(readable_sets(case, known))
     expected = oracle.find_hit(
-        case.groups, case.alignment, case.use_eagle, max_tokens, reader(columns), known
+        case.groups, case.alignment, case.eagle, max_tokens, reader(columns), known
     )
     coord = case.coordinator()
     hit = coord.find_hit(max_tokens, columns, known)
@@ -103,7 +116,7 @@ def test_deepseek_v4_shape_matches_oracle(data: st.DataObject, case: Case, max_t
     columns = data.draw(readable_sets(case, max_tokens))
     hit = case.coordinator().find_hit(max_tokens, columns)
     assert (hit.tokens, hit.load_masks) == oracle.find_hit(
-        case.groups, case.alignment, case.use_eagle, max_tokens, reader(columns)
+        case.groups, case.alignment, case.eagle, max_tokens, reader(columns)
     )
 
 
@@ -112,9 +125,9 @@ def test_deepseek_v4_shape_matches_oracle(data: st.DataObject, case: Case, max_t
 def test_masks_match_oracle(case: Case, tokens: int, past_cap: int) -> None:
     coord = case.coordinator()
     known = tokens + past_cap
-    lookup = oracle.lookup_mask(case.groups, case.alignment, case.use_eagle, tokens, known)
+    lookup = oracle.lookup_mask(case.groups, case.alignment, case.eagle, tokens, known)
     assert coord.lookup_mask(tokens, known) == lookup
-    args = (case.groups, case.alignment, case.use_eagle, case.retention, tokens)
+    args = (case.groups, case.alignment, case.eagle, case.retention, tokens)
     assert coord.store_mask(tokens) == oracle.store_mask(*args)
     aligned = tokens // case.alignment * case.alignment
     assert coord.load_mask(aligned) == oracle.load_mask(case.groups, aligned)
@@ -208,7 +221,7 @@ def test_tail_hit_matches_oracle(
     expected = oracle.tail_hit(
         case.groups,
         case.alignment,
-        case.use_eagle,
+        case.eagle,
         max_tokens,
         unit,
         limit,

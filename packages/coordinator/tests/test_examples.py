@@ -115,6 +115,28 @@ def test_eagle_with_coarse_alignment_moves_back_a_whole_step() -> None:
     assert coord.find_hit(1000, [[T] * 9, [F, T]]).tokens == 128
 
 
+def test_eagle_drops_a_block_only_in_the_draft_head_s_groups() -> None:
+    """DeepSeek-V4 / Kimi MTP: vLLM marks the drafter's groups (`is_eagle_group`) and only
+    their hits lose a block. A drafter in 64-token blocks beside a 256-token target group,
+    1000 tokens: the drafter's block after 768 lies within them, so the hit is 768; with
+    every group dropping, the target's would not (768 + 256 > 1000): 512."""
+    kinds = [FullAttention(256), FullAttention(64)]
+    readable = [[T] * 3, [T] * 15]
+    drafter = Coordinator(kinds, use_eagle=True, eagle_groups=[1])
+    assert drafter.find_hit(999, readable, known_tokens=1000).tokens == 768
+    assert drafter.eagle_tokens == 64
+    every = Coordinator(kinds, use_eagle=True)
+    assert every.find_hit(999, readable, known_tokens=1000).tokens == 512
+    # The drafter's block past the boundary must be readable; the target's need not be.
+    assert drafter.lookup_mask(999, 1000) == ((T,) * 3, (T,) * 13 + (F, F))
+    assert drafter.find_hit(999, [[T] * 3, [T] * 12], known_tokens=1000).tokens == 512
+    # Naming no group: nothing drops (the drafter's groups are not prefix-cacheable).
+    none = Coordinator(kinds, use_eagle=True, eagle_groups=())
+    assert none.find_hit(999, readable, 1000).tokens == 768
+    assert none.eagle_tokens == 0
+    assert none.find_hit(999, [[T] * 3, [T] * 12], 1000).tokens == 768
+
+
 def test_store_mask_keeps_state_snapshots_only_at_aligned_boundaries() -> None:
     coord = Coordinator(
         [FullAttention(16), RecurrentState(16), SlidingWindow(16, 17)], alignment=64
@@ -191,6 +213,18 @@ class NotAKind:
         ),
         (lambda: Coordinator([FullAttention(16)], alignment=0), "alignment must be a positive"),
         (lambda: Coordinator([FullAttention(16)], use_eagle=1), "use_eagle must be a bool"),  # type: ignore[arg-type]
+        (
+            lambda: Coordinator([FullAttention(16)], eagle_groups=[0]),
+            "eagle_groups has no effect without use_eagle",
+        ),
+        (
+            lambda: Coordinator([FullAttention(16)], use_eagle=True, eagle_groups=[1]),
+            "eagle_groups: 1 is not the index of one of the 1 groups",
+        ),
+        (
+            lambda: Coordinator([FullAttention(16)], use_eagle=True, eagle_groups=[True]),
+            "eagle_groups: True is not",
+        ),
         (lambda: Coordinator([RecurrentState(16)], retention_interval=0), "retention_interval"),
         (lambda: Coordinator([FullAttention(16)], retention_interval=2), "has no effect"),
     ],

@@ -63,13 +63,15 @@ class HeadPlan:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One prefix-cacheable vLLM group: its id in vLLM, coordinator kind, layers, signature."""
+    """One prefix-cacheable vLLM group: its id in vLLM, coordinator kind, layers, signature,
+    and whether vLLM drops EAGLE's block from its hits (when speculative decoding drops one)."""
 
     vllm_group_id: int
     kind: GroupKind
     layer_names: tuple[str, ...]
     signature: dict[str, Any]
     heads: HeadPlan
+    drafted: bool = True
 
     @property
     def block_size(self) -> int:
@@ -195,11 +197,16 @@ class KVPlan:
         return len(self.groups) > 1
 
     def coordinator(self, use_eagle: bool = False) -> Coordinator:
-        """`use_eagle`: vLLM drops the last matched block of its own hits (EAGLE, MTP) and
-        keeps Mamba states one block back to match; hits from the pool do the same."""
+        """`use_eagle`: vLLM drops the last matched block of its own hits (EAGLE, MTP) in
+        the drafted groups and keeps Mamba states one block back to match; hits from the
+        pool do the same."""
         # vLLM's own hits land on block boundaries, inside local-attention chunks too.
+        drafted = [index for index, group in enumerate(self.groups) if group.drafted]
         return Coordinator(
-            [group.kind for group in self.groups], alignment=self.alignment, use_eagle=use_eagle
+            [group.kind for group in self.groups],
+            alignment=self.alignment,
+            use_eagle=use_eagle,
+            eagle_groups=drafted if use_eagle else None,
         )
 
     @property
@@ -219,6 +226,7 @@ def plan_groups(
     if not group_ids:
         raise ValueError("the model has no prefix-cacheable KV cache group to store")
     plans: list[GroupPlan] = []
+    drafted = _drafted_specs(kv_cache_groups, group_ids)
     for group_id in group_ids:
         group = kv_cache_groups[group_id]
         try:
@@ -232,6 +240,7 @@ def plan_groups(
                 layer_names=tuple(sorted(group.layer_names)),
                 signature=signature,
                 heads=HeadPlan(storing, shape.tp_size, stripe=len(plans)),
+                drafted=any(group.kv_cache_spec == spec for spec in drafted),
             )
         )
     digest = layout_digest(
@@ -245,3 +254,17 @@ def plan_groups(
         digest=digest,
         hash_block_size=math.gcd(*(plan.block_size for plan in plans)),
     )
+
+
+def _drafted_specs(kv_cache_groups: Sequence[Any], group_ids: Sequence[int]) -> list[Any]:
+    """The specs whose groups vLLM's coordinator drops EAGLE's block from: those of the
+    groups it marks as the draft head's (`is_eagle_group`), or of every group when it marks
+    none. A marked prefix-cacheable group passes the drop on to the groups of an equal spec,
+    which vLLM looks up together; a marked group outside the lookup passes on nothing."""
+    marked = [
+        group_id
+        for group_id, group in enumerate(kv_cache_groups)
+        if getattr(group, "is_eagle_group", False)
+    ]
+    sources = marked or group_ids
+    return [kv_cache_groups[i].kv_cache_spec for i in sources if i in group_ids]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol, TypeAlias
@@ -102,6 +102,22 @@ def _require_count(name: str, value: object) -> int:
     return value
 
 
+def _drafted_groups(
+    eagle_groups: Collection[int] | None, use_eagle: bool, count: int
+) -> frozenset[int]:
+    """Indices of the groups EAGLE's block drop applies to (before each kind has its say)."""
+    if eagle_groups is None:
+        return frozenset(range(count) if use_eagle else ())
+    if not use_eagle:
+        raise ValueError("eagle_groups has no effect without use_eagle")
+    for index in eagle_groups:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(
+                f"eagle_groups: {index!r} is not the index of one of the {count} groups"
+            )
+    return frozenset(eagle_groups)
+
+
 class Coordinator:
     """Decides the hit boundary and the blocks behind it for a fixed set of groups.
 
@@ -111,10 +127,11 @@ class Coordinator:
     every group with `drops_eagle_block` must also have the block starting at the
     boundary readable and within the known tokens (`known_tokens`, default `max_tokens`):
     the matched run reaches one block further and vLLM drops that last matched block to
-    recompute it for the draft head. With `retention_interval=k`, sparse groups keep their
-    needs only at every k-th aligned boundary plus the replay boundaries of each request
-    (lookups still ask about every boundary: another request's replay boundaries can be
-    any).
+    recompute it for the draft head. `eagle_groups` narrows that to the groups the draft
+    head writes (vLLM's `is_eagle_group`); None means every group. With
+    `retention_interval=k`, sparse groups keep their needs only at every k-th aligned
+    boundary plus the replay boundaries of each request (lookups still ask about every
+    boundary: another request's replay boundaries can be any).
     """
 
     __slots__ = ("_alignment", "_eagle", "_eagle_tokens", "_groups", "_retention", "_use_eagle")
@@ -125,6 +142,7 @@ class Coordinator:
         alignment: int | None = None,
         use_eagle: bool = False,
         retention_interval: int = 1,
+        eagle_groups: Collection[int] | None = None,
     ) -> None:
         groups = tuple(groups)
         if not groups:
@@ -148,6 +166,7 @@ class Coordinator:
                 )
         if not isinstance(use_eagle, bool):
             raise ValueError(f"use_eagle must be a bool, got {use_eagle!r}")
+        drafted = _drafted_groups(eagle_groups, use_eagle, len(groups))
         if (
             isinstance(retention_interval, bool)
             or not isinstance(retention_interval, int)
@@ -165,7 +184,9 @@ class Coordinator:
         self._alignment = alignment
         self._use_eagle = use_eagle
         self._retention = retention_interval
-        self._eagle = tuple(int(use_eagle and group.drops_eagle_block) for group in groups)
+        self._eagle = tuple(
+            int(index in drafted and group.drops_eagle_block) for index, group in enumerate(groups)
+        )
         self._eagle_tokens = max(
             (group.block_size for group, extra in zip(groups, self._eagle, strict=True) if extra),
             default=0,
@@ -293,8 +314,8 @@ class Coordinator:
         `readable` (as in `find_hit`): one more query about their partial objects decides
         the tail. They may lie blocks past `hit`: a Mamba group whose prompt's last chunk
         left its state only at a checkpoint inside it has no state at the block ends in
-        between, while attention keeps every block. None with EAGLE (its dropped block
-        would have to reach past a partial one).
+        between, while attention keeps every block. None when a group drops EAGLE's block
+        (it would have to reach past a partial one).
         """
         hit = _require_count("hit", hit)
         max_tokens = _require_count("max_tokens", max_tokens)
@@ -303,7 +324,7 @@ class Coordinator:
         limit = _require_count("limit", limit)
         if hit % self._alignment:
             raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
-        if self._use_eagle or any(unit % group.block_size == 0 for group in self._groups):
+        if self._eagle_tokens or any(unit % group.block_size == 0 for group in self._groups):
             return []  # with a block size dividing the unit, no multiple ends inside a block
         columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
         hits: list[Hit] = []

@@ -1,0 +1,135 @@
+"""Pool hits land where vLLM's own prefix cache does.
+
+vLLM's real hybrid coordinator caches a writer's blocks; a reader sharing part of its
+prompt then asks both vLLM and the coordinator the connector builds (`KVPlan`) for its
+hit, the latter told which blocks vLLM holds. Random attention layouts, with EAGLE's
+block drop on every group or only on the groups vLLM marks as the draft head's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridkv.coordinator import SlidingWindow
+from hybridkv.integration.groups import ModelShape, plan_groups
+
+SPEC_SHAPES = st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([None, 16, 33, 100]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per group: (block size, sliding window or None) and whether vLLM marks it."""
+
+    shapes: list[tuple[int, int | None]]
+    marked: list[bool]
+    use_eagle: bool
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> Layout:
+    # Few distinct shapes, so groups of equal specs (which vLLM looks up together) occur.
+    shapes = draw(st.lists(SPEC_SHAPES, min_size=2, max_size=4))
+    use_eagle = draw(st.booleans())
+    marked = [use_eagle and draw(st.booleans()) for _ in shapes]
+    return Layout(shapes, marked, use_eagle)
+
+
+@pytest.fixture(scope="module")
+def vllm_core() -> Any:
+    pytest.importorskip("vllm")  # the conftest guard fails first under HYBRIDKV_REQUIRE_REAL
+    from vllm.utils.hashing import sha256
+    from vllm.v1 import kv_cache_interface as specs
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_utils
+
+    kv_cache_utils.init_none_hash(sha256)
+    return specs, kv_cache_coordinator, kv_cache_utils, sha256
+
+
+def _vllm_request(request_id: str, tokens: list[int], block_hasher: Any) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=block_hasher,
+    )
+
+
+@settings(
+    max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(layouts(), st.integers(1, 500), st.integers(0, 500), st.integers(0, 200))
+def test_pool_hit_is_vllm_s_own(
+    vllm_specs: Any, vllm_core: Any, layout: Layout, written: int, shared: int, more: int
+) -> None:
+    import torch
+
+    specs, coordinators, utils, sha256 = vllm_core
+    groups = []
+    shapes = zip(layout.shapes, layout.marked, strict=True)
+    for index, ((block_size, window), marked) in enumerate(shapes):
+        common = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        spec = (
+            specs.FullAttentionSpec(**common)
+            if window is None
+            else specs.SlidingWindowSpec(sliding_window=window, **common)
+        )
+        groups.append(specs.KVCacheGroupSpec([f"l{index}"], spec, is_eagle_group=marked))
+    config = specs.KVCacheConfig(num_blocks=512, kv_cache_tensors=[], kv_cache_groups=groups)
+    block_sizes = [block_size for block_size, _ in layout.shapes]
+    hash_block_size = math.gcd(*block_sizes)
+    vllm = coordinators.get_kv_cache_coordinator(
+        config,
+        max_model_len=4096,
+        max_in_flight_tokens=4096,
+        use_eagle=layout.use_eagle,
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=math.lcm(*block_sizes),
+        hash_block_size=hash_block_size,
+    )
+    hasher = utils.get_request_block_hasher(hash_block_size, sha256)
+    writer = list(range(written))
+    shared = min(shared, written)
+    reader = writer[:shared] + list(range(10_000, 10_000 + more))
+    if not reader:
+        return
+    vllm.allocate_new_blocks("w", written, written)
+    vllm.cache_blocks(_vllm_request("w", writer, hasher), written)
+    _, vllm_hit, _ = vllm.find_longest_cache_hit(
+        _vllm_request("r", reader, hasher).block_hashes, len(reader) - 1
+    )
+
+    plan = plan_groups(groups, list(range(len(groups))), ModelShape(tp_size=1, total_kv_heads=1))
+    ours = plan.coordinator(layout.use_eagle)
+    # What vLLM holds of the blocks both prompts share (a block past them hashes apart).
+    readable = [
+        [
+            block.block_hash is not None and (index + 1) * manager.block_size <= shared
+            for index, block in enumerate(manager.req_to_blocks["w"])
+        ]
+        for manager in vllm.single_type_managers
+    ]
+    hit = ours.find_hit(len(reader) - 1, readable, known_tokens=len(reader))
+    if hit.tokens != vllm_hit:
+        # vLLM trims a window's matched run that reaches the prompt's start (shorter than a
+        # window) to the alignment before dropping EAGLE's block, then trims again: it
+        # loses a step the pool keeps (its blocks are readable; the drop is still made).
+        assert hit.tokens - vllm_hit == plan.alignment
+        assert any(
+            group.drafted
+            and isinstance(group.kind, SlidingWindow)
+            and -(-(group.kind.window - 1) // group.block_size) > hit.tokens // group.block_size
+            for group in plan.groups
+        )
