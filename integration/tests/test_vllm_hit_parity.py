@@ -2,8 +2,9 @@
 
 vLLM's real hybrid coordinator caches a writer's blocks; a reader sharing part of its
 prompt then asks both vLLM and the coordinator the connector builds (`KVPlan`) for its
-hit, the latter told which blocks vLLM holds. Random attention layouts, with EAGLE's
-block drop on every group or only on the groups vLLM marks as the draft head's.
+hit, the latter told which blocks vLLM holds, and then which the connector saved of the
+writer. Random attention layouts, with EAGLE's block drop on every group or only on the
+groups vLLM marks as the draft head's.
 """
 
 from __future__ import annotations
@@ -113,23 +114,31 @@ def test_pool_hit_is_vllm_s_own(
 
     plan = plan_groups(groups, list(range(len(groups))), ModelShape(tp_size=1, total_kv_heads=1))
     ours = plan.coordinator(layout.use_eagle)
-    # What vLLM holds of the blocks both prompts share (a block past them hashes apart).
-    readable = [
-        [
-            block.block_hash is not None and (index + 1) * manager.block_size <= shared
-            for index, block in enumerate(manager.req_to_blocks["w"])
+
+    def hit_on(kept: list[list[bool]]) -> int:
+        """The pool's hit where `kept` blocks of the writer's are stored (those both
+        prompts share: a block past them hashes apart)."""
+        readable = [
+            [held and (index + 1) * group.block_size <= shared for index, held in enumerate(mask)]
+            for mask, group in zip(kept, plan.groups, strict=True)
         ]
+        return ours.find_hit(len(reader) - 1, readable, known_tokens=len(reader)).tokens
+
+    cached = [
+        [block.block_hash is not None for block in manager.req_to_blocks["w"]]
         for manager in vllm.single_type_managers
     ]
-    hit = ours.find_hit(len(reader) - 1, readable, known_tokens=len(reader))
-    if hit.tokens != vllm_hit:
+    hit = hit_on(cached)
+    # What the connector saves of the writer serves the same hit as what vLLM caches.
+    assert hit_on([list(mask) for mask in ours.store_mask(written)]) == hit
+    if hit != vllm_hit:
         # vLLM trims a window's matched run that reaches the prompt's start (shorter than a
         # window) to the alignment before dropping EAGLE's block, then trims again: it
         # loses a step the pool keeps (its blocks are readable; the drop is still made).
-        assert hit.tokens - vllm_hit == plan.alignment
+        assert hit - vllm_hit == plan.alignment
         assert any(
             group.drafted
             and isinstance(group.kind, SlidingWindow)
-            and -(-(group.kind.window - 1) // group.block_size) > hit.tokens // group.block_size
+            and -(-(group.kind.window - 1) // group.block_size) > hit // group.block_size
             for group in plan.groups
         )
