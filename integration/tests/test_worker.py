@@ -427,7 +427,9 @@ def test_a_background_load_that_raises_at_its_start_fails_its_request(rig: Any) 
     """An error of the client while starting a background load (not a failed read) is
     reported as that request's failed load, so vLLM computes it; the engine goes on."""
     worker, _, _ = rig
-    broken = WorkerSide(worker.keys, _RaisingLoads(worker.engine), worker.strategy, 0, CpuEvent)
+    broken = WorkerSide(
+        worker.keys, _EngineLoading(worker.engine, _client_gone), worker.strategy, 0, CpuEvent
+    )
     loads = _refs([(0, 0, 4)])
     _step(broken, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
     assert broken.finished(set()) == {"c"}
@@ -436,17 +438,19 @@ def test_a_background_load_that_raises_at_its_start_fails_its_request(rig: Any) 
     assert broken.finished(set()) == set()
 
 
-class _RaisingLoads:
-    """An engine whose loads raise when they start."""
+class _EngineLoading:
+    """The rig's engine with its `load` replaced."""
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: TransferEngine, load: Callable[..., Any]) -> None:
         self._engine = engine
+        self.load = load
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def load(self, transfers: Any, ready: Any = None) -> Any:
-        raise RuntimeError("the client is gone")
+
+def _client_gone(transfers: Any, ready: Any = None) -> Any:
+    raise RuntimeError("the client is gone")
 
 
 @pytest.mark.parametrize("ahead", [0, 1, 2])
@@ -552,26 +556,14 @@ class _SlowTicket:
         return TransferResult()
 
 
-class _SlowLoads:
-    """An engine whose background loads each need a few looks before they are done."""
-
-    def __init__(self, engine: TransferEngine, polls: int) -> None:
-        self._engine = engine
-        self._polls = polls
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def load(self, transfers: Any, ready: Any = None) -> _SlowTicket:
-        return _SlowTicket(self._polls)
-
-
 @pytest.mark.parametrize("idle", [False, True])
 def test_a_step_computing_nothing_waits_for_a_background_load(rig: Any, idle: bool) -> None:
     """With only requests waiting for their KV, vLLM runs empty steps back to back; the
     worker then waits a little for a load instead of reporting nothing at once."""
     worker, _, _ = rig
-    slow = WorkerSide(worker.keys, _SlowLoads(worker.engine, 5), worker.strategy, 0, CpuEvent)
+    # Background loads that each need five looks before they are done.
+    engine = _EngineLoading(worker.engine, lambda transfers, ready=None: _SlowTicket(5))
+    slow = WorkerSide(worker.keys, engine, worker.strategy, 0, CpuEvent)
     load = RequestTransfers(request_id="c", loads=_refs([(0, 0, 4)]), load_async=True)
     slow.begin_step(HybridKVMetadata([load], idle=idle))
     slow.start_async_loads()
