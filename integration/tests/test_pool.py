@@ -115,3 +115,13 @@ def test_a_rank_on_another_host_refuses_the_embedded_master(
     finally:
         if isinstance(first, Pool):
             first.close()
+
+
+@pytest.mark.parametrize(
+    ("store", "named"), [("mooncake", "an embedded master"), ("memory", "the memory store")]
+)
+def test_pipeline_stages_need_a_shared_master(store: str, named: str) -> None:
+    """Each stage's rank 0 would start a pool of its own: the stages' objects would never
+    meet, and no stage would hit."""
+    with pytest.raises(RuntimeError, match=f"{named} serves one pipeline stage only"):
+        open_pool(ConnectorConfig(store=store), 0, ThreadGroup(1).broadcast(0), pp_size=2)

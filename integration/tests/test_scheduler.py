@@ -348,6 +348,27 @@ def test_an_allocation_no_hit_can_explain_is_refused(vllm_specs: Any) -> None:
             side.after_alloc(req, tables, external)
 
 
+def test_with_pipeline_stages_a_block_hits_only_when_every_stage_holds_it(
+    vllm_specs: Any,
+) -> None:
+    """Each stage's workers store their own layers under their `pp_rank`; the scheduler
+    asks about every stage's objects of each head."""
+    kinds = [(["w"], attention(vllm_specs, window=64)), (["f"], attention(vllm_specs))]
+    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ONE_RANK, pp_size=2)
+    pool = Pool()
+    side = SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(), pool.query)
+    hashes = RequestHashes(plan, "", None)
+    hashes.cover(TOKENS, 192)
+    for stage, upto in ((0, 192), (1, 128)):  # the second stage saved four blocks only
+        writer = KeySpace(plan, "tiny", pp_rank=stage)
+        for group, group_plan in enumerate(plan.groups):
+            blocks = hashes.for_group(group_plan.block_size)[: upto // group_plan.block_size]
+            pool.keys.update(writer.keys(group, blocks, [0]))
+    assert side.num_new_matched_tokens(request("r", TOKENS[:200]), 0) == (128, False)
+    assert all("@pp_rank:" in key for key in pool.keys)
+    assert len(side.keys.prefixes()) == 4  # two groups, two stages
+
+
 def test_with_eagle_a_hit_drops_its_last_block_as_vllm_s_own_do(vllm_specs: Any) -> None:
     """EAGLE (and MTP) re-draft the last block of a hit: vLLM drops it from its own hits,
     and so from the pool's, which must reach one block further."""

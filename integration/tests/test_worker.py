@@ -45,14 +45,20 @@ def _caches() -> dict[str, Any]:
     }
 
 
-def _model(vllm_specs: Any) -> tuple[KeySpace, dict[str, Any], list[GroupLayout]]:
-    """Keys, caches (random state) and layouts of an attention layer and a Mamba layer."""
+def _model(
+    vllm_specs: Any, pp_rank: int | None = None
+) -> tuple[KeySpace, dict[str, Any], list[GroupLayout]]:
+    """Keys, caches (random state) and layouts of an attention layer and a Mamba layer
+    (`pp_rank`: as that stage of two holds them)."""
     config = groups(
         vllm_specs,
         (["model.layers.0.attn"], attention(vllm_specs)),
         (["model.layers.1.conv"], mamba(vllm_specs)),
     )
-    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(1, 2)), "tiny")
+    stages = 1 if pp_rank is None else 2
+    keys = KeySpace(
+        plan_groups(config, [0, 1], ModelShape(1, 2), pp_size=stages), "tiny", pp_rank=pp_rank
+    )
     caches = _caches()
     caches["model.layers.1.conv"].random_(-100, 100)
     layouts = build_layouts(
@@ -725,3 +731,42 @@ def test_a_state_copy_raising_after_its_load_fails_that_load_once(
     assert stats["failed_load_blocks"] == 2
     assert not stats.get("loaded_bytes")
     worker.close()
+
+
+def test_a_pipeline_stage_puts_objects_of_its_own_and_reports_them_as_its_own(
+    vllm_specs: Any,
+) -> None:
+    """The second of two stages writes under `pp_rank:1` and announces its save as a
+    writer of its own (the scheduler waits for every stage's)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    keys, _, layouts = _model(vllm_specs, pp_rank=1)
+    store = MemoryStore()
+    engine = TransferEngine(store, layouts)
+    worker = WorkerSide(keys, engine, WholeBlocks(engine, CpuEvent), 0, CpuEvent)
+    event = BlockStored(
+        block_hashes=[0],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=32,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=0,
+    )
+    _step(worker, [RequestTransfers(request_id="a", saves=[BlockRef(0, 0, 1, b"\1" * 32, event)])])
+    worker.barrier()
+    storing = keys.plan.groups[0].heads.storing
+    assert [(e.head, e.event) for e in worker.take_stored_events()] == [(storing, event)]
+    assert store.batch_is_readable(keys.keys(0, [b"\1" * 32], [0])) == [True]
+    assert "@pp_rank:1@" in keys.keys(0, [b"\1" * 32], [0])[0]
+    worker.close()
+
+
+def test_a_stage_holding_no_layer_of_a_group_is_refused(vllm_specs: Any) -> None:
+    config = groups(
+        vllm_specs, (["model.layers.0.attn"], attention(vllm_specs)), ([], mamba(vllm_specs))
+    )
+    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(1, 2), pp_size=2), "tiny", pp_rank=1)
+    with pytest.raises(ValueError, match="group 1 has no layer on pipeline stage 1"):
+        build_layouts(keys, _caches(), {"model.layers.0.attn": 0}, NUM_BLOCKS)

@@ -25,6 +25,14 @@ def test_digest_is_the_interoperable_definition() -> None:
     assert layout_digest(2, GROUPS, namespace="ns") == namespaced
 
 
+def test_pipeline_stages_follow_the_tp_size_in_the_payload() -> None:
+    payload = (2, 4, [(["layers.0.attn"], SIGNATURE_A)])
+    expected = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    assert layout_digest(2, [(["layers.0.attn"], SIGNATURE_A)], pp_size=4) == expected
+    assert layout_digest(2, GROUPS, pp_size=1) == layout_digest(2, GROUPS)
+    assert len({layout_digest(2, GROUPS, pp_size=size) for size in (1, 2, 4)}) == 3
+
+
 def test_digest_is_a_layout_token() -> None:
     digest = layout_digest(1, GROUPS)
     assert len(digest) == 64
@@ -103,3 +111,11 @@ def test_bad_arguments(
 ) -> None:
     with pytest.raises(error, match=match):
         layout_digest(tp_size, groups, namespace)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("pp_size", "error"), [(0, ValueError), (True, TypeError), (2.0, TypeError)]
+)
+def test_bad_stage_count(pp_size: object, error: type) -> None:
+    with pytest.raises(error, match="pp_size"):
+        layout_digest(1, GROUPS, pp_size=pp_size)  # type: ignore[arg-type]

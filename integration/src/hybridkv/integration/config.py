@@ -100,8 +100,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"namespace must be printable, without '@' or '/': {self.namespace!r}")
         if self.prefill_pp_size != 1 or self.prefill_pp_layer_partition is not None:
             raise ValueError(
-                "prefill_pp_size / prefill_pp_layer_partition: pipeline parallelism is not "
-                "supported by HybridKVConnector yet (remove the keys or use prefill_pp_size 1)"
+                "prefill_pp_size / prefill_pp_layer_partition: reading what a prefill "
+                "instance with other pipeline stages wrote is not supported by "
+                "HybridKVConnector yet (remove the keys or use prefill_pp_size 1; an "
+                "instance's own pipeline_parallel_size is supported)"
             )
         if self.lookup_rpc_port and self.mooncake_rpc_port:
             raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")

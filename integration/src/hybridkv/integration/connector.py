@@ -66,7 +66,6 @@ def plan_from_vllm(
 ) -> KVPlan:
     parallel = vllm_config.parallel_config
     for what, setting, size in (
-        ("pipeline parallelism", "pipeline_parallel_size", parallel.pipeline_parallel_size),
         # Context-parallel ranks hold the same heads but different tokens of each block:
         # keyed by head alone, one rank's share would be loaded by all of them.
         (
@@ -91,6 +90,7 @@ def plan_from_vllm(
         kv_cache_config.prefix_cacheable_group_ids,
         shape,
         namespace,
+        parallel.pipeline_parallel_size,
     )
 
 
@@ -205,7 +205,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             builder = self._event_builder(kv_cache_config) if self._events_on else None
             if self._events_on:
-                storing = {g.vllm_group_id: g.heads.storing for g in self.plan.groups}
+                # Every stage's workers write their own objects of each head.
+                stages = self.plan.pp_size
+                storing = {g.vllm_group_id: g.heads.storing * stages for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
             # Block ids repeat across vLLM's KV cache groups: a failed load of a hybrid
@@ -340,14 +342,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+        from vllm.distributed.parallel_state import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tp_group,
+        )
         from vllm.model_executor.models.utils import extract_layer_index
 
         tp_rank = get_tensor_model_parallel_rank()
         tp_group = get_tp_group()
+        pp_rank = get_pp_group().rank_in_group
+        if self.plan.pp_size > 1:
+            self.keys = KeySpace(
+                self.plan,
+                model_name(self._vllm_config.model_config.model),
+                self.config.namespace,
+                pp_rank,
+            )
         layer_index = {name: extract_layer_index(name) for name in kv_caches}
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
-        pool = open_pool(self.config, tp_rank, tp_group.broadcast_object)
+        pool = open_pool(self.config, tp_rank, tp_group.broadcast_object, self.plan.pp_size)
         device = self._vllm_config.device_config.device_type
         contiguous = all(layout.contiguous for layout in layouts)
         try:
@@ -377,7 +391,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             steps_ahead=self._vllm_config.max_concurrent_batches - 1,
             saves_outlive_step=_preemptions_come_first(self._vllm_config, device),
         )
-        if tp_rank == 0:
+        if tp_rank == 0 and pp_rank == 0:
             self._server = LookupServer(
                 engine.batch_is_readable, self._lookup_port, self._remove_from_pool
             )

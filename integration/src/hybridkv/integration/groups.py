@@ -191,6 +191,7 @@ class KVPlan:
     tp_size: int
     digest: str
     hash_block_size: int
+    pp_size: int = 1
 
     @property
     def hybrid(self) -> bool:
@@ -219,8 +220,13 @@ def plan_groups(
     group_ids: Sequence[int],
     shape: ModelShape,
     namespace: str = "",
+    pp_size: int = 1,
 ) -> KVPlan:
-    """Translate the prefix-cacheable groups `group_ids` of a vLLM kv_cache_config."""
+    """Translate the prefix-cacheable groups `group_ids` of a vLLM kv_cache_config.
+
+    With pipeline stages (`pp_size` > 1) each holds its own layers of every group and keys
+    its objects by stage; the digest then leaves the layer names out: each stage's
+    kv_cache_config names its own layers only, the scheduler's the first stage's."""
     if not _TRANSLATORS:
         _register_vllm_specs()
     if not group_ids:
@@ -245,14 +251,16 @@ def plan_groups(
         )
     digest = layout_digest(
         shape.tp_size,
-        [(plan.layer_names, plan.signature) for plan in plans],
+        [(plan.layer_names if pp_size == 1 else (), plan.signature) for plan in plans],
         namespace or None,
+        pp_size,
     )
     return KVPlan(
         groups=tuple(plans),
         tp_size=shape.tp_size,
         digest=digest,
         hash_block_size=math.gcd(*(plan.block_size for plan in plans)),
+        pp_size=pp_size,
     )
 
 
@@ -260,7 +268,9 @@ def _drafted_specs(kv_cache_groups: Sequence[Any], group_ids: Sequence[int]) -> 
     """The specs whose groups vLLM's coordinator drops EAGLE's block from: those of the
     groups it marks as the draft head's (`is_eagle_group`), or of every group when it marks
     none. A marked prefix-cacheable group passes the drop on to the groups of an equal spec,
-    which vLLM looks up together; a marked group outside the lookup passes on nothing."""
+    which vLLM looks up together; a marked group outside the lookup passes on nothing.
+    (vLLM also asks for the same manager class and block pool: they differ only in HiSparse
+    layouts, which no translator accepts.)"""
     marked = [
         group_id
         for group_id, group in enumerate(kv_cache_groups)

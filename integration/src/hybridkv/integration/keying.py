@@ -75,22 +75,59 @@ class KeySpace:
     by key prefix (a cache reset) reaches one namespace: the hybrid format through its
     layout digest, which folds the namespace in; the single-group format, which has no
     layout field, through its model field (`{model}~{namespace}`).
+
+    With pipeline stages each stage's workers write objects of their own layers under
+    their stage's `pp_rank`, in the hybrid format (the single-group one has no stage
+    field): a worker's key space (`pp_rank` given) renders its stage's keys, the
+    scheduler's (`pp_rank` None) every stage's.
     """
 
-    def __init__(self, plan: KVPlan, model: str, namespace: str = "") -> None:
+    def __init__(
+        self, plan: KVPlan, model: str, namespace: str = "", pp_rank: int | None = None
+    ) -> None:
         self.plan = plan
-        if plan.hybrid:
+        stages: list[int | None]
+        if plan.pp_size == 1:
+            stages = [None]
+        elif pp_rank is None:
+            stages = list(range(plan.pp_size))
+        elif 0 <= pp_rank < plan.pp_size:
+            stages = [pp_rank]
+        else:
+            raise ValueError(f"pp_rank {pp_rank} is not a stage of {plan.pp_size}")
+        #: Objects of one head of one block that `keys` renders: one per stage rendered.
+        self.stages = len(stages)
+        #: The stage whose objects this key space writes (0 without pipeline stages).
+        self.pp_rank = pp_rank or 0
+        self._hybrid = plan.hybrid or plan.pp_size > 1
+        if self._hybrid:
             self._renderers = [
-                KeyRenderer.hybrid(model, plan.digest, group.vllm_group_id, group.block_size)
+                [
+                    KeyRenderer.hybrid(
+                        model, plan.digest, group.vllm_group_id, group.block_size, stage
+                    )
+                    for stage in stages
+                ]
                 for group in plan.groups
             ]
         else:
             scoped = f"{model}~{namespace}" if namespace else model
-            self._renderers = [KeyRenderer.single_group(scoped)]
+            self._renderers = [[KeyRenderer.single_group(scoped)]]
 
     def keys(self, group: int, hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
-        """Keys of `hashes` in plan group `group`, block-major, `heads` within a block."""
-        return self._renderers[group].render_all(hashes, heads)
+        """Keys of `hashes` in plan group `group`, block-major; within a block stage by
+        stage, `heads` within a stage."""
+        renderers = self._renderers[group]
+        if len(renderers) == 1:
+            return renderers[0].render_all(hashes, heads)
+        per_stage = [renderer.render_all(hashes, heads) for renderer in renderers]
+        width = len(heads)
+        return [
+            key
+            for start in range(0, len(hashes) * width, width)
+            for stage in per_stage
+            for key in stage[start : start + width]
+        ]
 
     def prefixes(self) -> list[str]:
         """Key prefixes that match every key of this key space and no other's.
@@ -98,7 +135,7 @@ class KeySpace:
         A single-group key's prefix (`{model}@`) also begins every hybrid key of that model
         (`{model}@mooncake_hybrid_v1:...`), so it is narrowed by the first character of
         the hash, which is lowercase hex where the hybrid tag is not."""
-        if self.plan.hybrid:
-            return sorted({renderer.prefix for renderer in self._renderers})
-        [renderer] = self._renderers
+        if self._hybrid:
+            return sorted({renderer.prefix for group in self._renderers for renderer in group})
+        [[renderer]] = self._renderers
         return [renderer.prefix + digit for digit in "0123456789abcdef"]

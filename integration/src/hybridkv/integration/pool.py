@@ -63,18 +63,31 @@ class Pool:
             self.master.stop()
 
 
-def open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast) -> Pool:
+def _refuse_stages(pp_size: int, store: str) -> None:
+    if pp_size > 1:
+        raise RuntimeError(
+            f"hybridkv: {store} serves one pipeline stage only; with {pp_size} stages set "
+            "MOONCAKE_CONFIG_PATH to a master every stage reaches"
+        )
+
+
+def open_pool(
+    config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_size: int = 1
+) -> Pool:
     """The store this worker uses, started as the configuration asks.
 
     Every rank takes the same branch (same configuration and environment), so with the
     embedded master all of them meet in `broadcast`: rank 0 sends the master's address,
     or None when it could not start one, so that the others fail instead of waiting.
+    Pipeline stages must share one pool: each would start a master of its own.
     """
     if config.store == "memory":
+        _refuse_stages(pp_size, "the memory store")
         return Pool(process_memory_store())
     mooncake = mooncake_config_from_env()
     if mooncake is not None:
         return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
+    _refuse_stages(pp_size, "an embedded master")
     if tp_rank != 0:
         embedded = broadcast(None)
         if embedded is None:

@@ -273,7 +273,7 @@ class SchedulerSide:
         readable: list[list[bool]] = []
         position = 0
         for group, hashes in batches:
-            heads = self.plan.groups[group].heads.storing
+            heads = self.plan.groups[group].heads.storing * self.keys.stages
             stop = position + heads * len(hashes)
             readable.append([all(answers[at : at + heads]) for at in range(position, stop, heads)])
             position = stop

@@ -88,6 +88,12 @@ def build_layouts(
     """One GroupLayout per plan group, entries from the real tensors of its layers."""
     layouts = []
     for group, plan in enumerate(keys.plan.groups):
+        if not plan.layer_names:
+            raise ValueError(
+                f"KV cache group {plan.vllm_group_id} has no layer on pipeline stage "
+                f"{keys.pp_rank}: HybridKVConnector needs every stage to hold layers of every "
+                "group (use fewer stages)"
+            )
         missing = [name for name in plan.layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"KV cache group {plan.vllm_group_id}: no tensors for {missing}")
@@ -180,7 +186,9 @@ class WorkerSide:
             owner_index = -ref.tail if ref.tail else ref.index
             transfers.append(BlockTransfer(key, ref.group, ref.block_id, request_id, owner_index))
             if writing and ref.stored is not None:
-                self._announce[key] = HeadStored(head, ref.stored, self._generation)
+                # One writer per head of each stage: the scheduler counts them all.
+                writer = self.keys.pp_rank * heads.storing + head
+                self._announce[key] = HeadStored(writer, ref.stored, self._generation)
         return transfers if writing else self._spread(transfers)
 
     def _spread(self, loads: list[BlockTransfer]) -> list[BlockTransfer]:

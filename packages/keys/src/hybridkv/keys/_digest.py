@@ -5,6 +5,8 @@ same layers in each group, same page format. The digest is the interoperable def
 (vllm-ascend's hybrid keys use the same one): sha256 hex of ``json.dumps((tp_size,
 [(sorted(layer_names), signature), ...]), sort_keys=True)``, with the namespace first when
 there is one. Signatures must be JSON: a ``repr`` fallback would differ between processes.
+With pipeline parallelism each stage writes objects of its own layers, under its own
+``pp_rank`` in the key; the stage count follows the TP size in the payload.
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ def layout_digest(
     tp_size: int,
     groups: Iterable[tuple[Iterable[str], object]],
     namespace: str | None = None,
+    pp_size: int = 1,
 ) -> str:
     """sha256 hex naming a cache layout; ``groups`` is ``(layer_names, signature)`` per group.
 
     Layer order within a group does not matter; group order, TP size, membership,
-    signatures and namespace do.
+    signatures, namespace and the pipeline stage count do.
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool):
         raise TypeError(f"tp_size must be an int, got {type(tp_size).__name__}")
     if tp_size < 1:
         raise ValueError(f"tp_size must be positive, got {tp_size}")
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool):
+        raise TypeError(f"pp_size must be an int, got {type(pp_size).__name__}")
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be positive, got {pp_size}")
     if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
     described = []
@@ -41,7 +48,10 @@ def layout_digest(
             raise TypeError(f"groups[{index}]: every layer name must be a str: {names!r}")
         refuse_coerced_keys(signature, f"groups[{index}] signature")
         described.append((sorted(names), signature))
-    payload = (tp_size, described) if namespace is None else (namespace, tp_size, described)
+    parallel: tuple[int, ...] = (tp_size,) if pp_size == 1 else (tp_size, pp_size)
+    payload = (*parallel, described)
+    if namespace is not None:
+        payload = (namespace, *payload)
     try:
         text = json.dumps(payload, sort_keys=True)
     except TypeError as exc:
