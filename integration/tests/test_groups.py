@@ -90,16 +90,20 @@ def test_eagle_drops_where_vllm_s_coordinator_does(vllm_specs: Any) -> None:
 
 def test_pipeline_stages_share_a_digest_their_layer_names_do_not_enter(vllm_specs: Any) -> None:
     """Each stage's kv_cache_config names its own layers (the scheduler's the first
-    stage's): the digest leaves names out, and keeps the stage count."""
+    stage's): the digest has the stages' layer ranges in place of the names."""
 
-    def digest(names: list[str], stages: int) -> str:
+    def digest(names: list[str], stages: list[tuple[int, int]]) -> str:
         config = groups(vllm_specs, (names, attention(vllm_specs)), (["m"], mamba(vllm_specs)))
-        return plan_groups(config, [0, 1], SHAPE, pp_size=stages).digest
+        return plan_groups(config, [0, 1], SHAPE, pp_stages=stages).digest
 
-    assert digest(["l.0", "l.1"], 2) == digest(["l.2", "l.3"], 2)
-    assert digest(["l.0", "l.1"], 1) != digest(["l.2", "l.3"], 1)
-    assert len({digest(["l.0"], 1), digest(["l.0"], 2), digest(["l.0"], 4)}) == 3
-    single = plan_groups(groups(vllm_specs, (["a"], attention(vllm_specs))), [0], SHAPE, "", 2)
+    halves = [(0, 2), (2, 4)]
+    assert digest(["l.0", "l.1"], halves) == digest(["l.2", "l.3"], halves)
+    assert digest(["l.0", "l.1"], []) != digest(["l.2", "l.3"], [])
+    partitions = ([], halves, [(0, 1), (1, 4)], [(0, 1), (1, 2), (2, 4)])
+    assert len({digest(["l.0"], stages) for stages in partitions}) == 4
+    config = groups(vllm_specs, (["a"], attention(vllm_specs)))
+    single = plan_groups(config, [0], SHAPE, pp_stages=halves)
+    assert single.pp_size == 2
     with pytest.raises(ValueError, match="pp_rank 2 is not a stage of 2"):
         KeySpace(single, "m", pp_rank=2)
     # One group still takes the hybrid format: the single-group one has no stage field.

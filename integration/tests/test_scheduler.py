@@ -354,7 +354,7 @@ def test_with_pipeline_stages_a_block_hits_only_when_every_stage_holds_it(
     """Each stage's workers store their own layers under their `pp_rank`; the scheduler
     asks about every stage's objects of each head."""
     kinds = [(["w"], attention(vllm_specs, window=64)), (["f"], attention(vllm_specs))]
-    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ONE_RANK, pp_size=2)
+    plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ONE_RANK, pp_stages=[(0, 1), (1, 2)])
     pool = Pool()
     side = SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(), pool.query)
     hashes = RequestHashes(plan, "", None)

@@ -55,9 +55,9 @@ def _model(
         (["model.layers.0.attn"], attention(vllm_specs)),
         (["model.layers.1.conv"], mamba(vllm_specs)),
     )
-    stages = 1 if pp_rank is None else 2
+    stages = [] if pp_rank is None else [(0, 1), (1, 2)]
     keys = KeySpace(
-        plan_groups(config, [0, 1], ModelShape(1, 2), pp_size=stages), "tiny", pp_rank=pp_rank
+        plan_groups(config, [0, 1], ModelShape(1, 2), pp_stages=stages), "tiny", pp_rank=pp_rank
     )
     caches = _caches()
     caches["model.layers.1.conv"].random_(-100, 100)
@@ -767,6 +767,8 @@ def test_a_stage_holding_no_layer_of_a_group_is_refused(vllm_specs: Any) -> None
     config = groups(
         vllm_specs, (["model.layers.0.attn"], attention(vllm_specs)), ([], mamba(vllm_specs))
     )
-    keys = KeySpace(plan_groups(config, [0, 1], ModelShape(1, 2), pp_size=2), "tiny", pp_rank=1)
+    keys = KeySpace(
+        plan_groups(config, [0, 1], ModelShape(1, 2), pp_stages=[(0, 1), (1, 2)]), "tiny", pp_rank=1
+    )
     with pytest.raises(ValueError, match="group 1 has no layer on pipeline stage 1"):
         build_layouts(keys, _caches(), {"model.layers.0.attn": 0}, NUM_BLOCKS)

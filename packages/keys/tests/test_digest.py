@@ -26,11 +26,13 @@ def test_digest_is_the_interoperable_definition() -> None:
 
 
 def test_pipeline_stages_follow_the_tp_size_in_the_payload() -> None:
-    payload = (2, 4, [(["layers.0.attn"], SIGNATURE_A)])
+    payload = (2, [[0, 3], [3, 4]], [(["layers.0.attn"], SIGNATURE_A)])
     expected = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-    assert layout_digest(2, [(["layers.0.attn"], SIGNATURE_A)], pp_size=4) == expected
-    assert layout_digest(2, GROUPS, pp_size=1) == layout_digest(2, GROUPS)
-    assert len({layout_digest(2, GROUPS, pp_size=size) for size in (1, 2, 4)}) == 3
+    stages = [(0, 3), (3, 4)]
+    assert layout_digest(2, [(["layers.0.attn"], SIGNATURE_A)], pp_stages=stages) == expected
+    assert layout_digest(2, GROUPS, pp_stages=()) == layout_digest(2, GROUPS)
+    partitions = ([], [(0, 2), (2, 4)], [(0, 1), (1, 4)], [(0, 1), (1, 2), (2, 4)])
+    assert len({layout_digest(2, GROUPS, pp_stages=stages) for stages in partitions}) == 4
 
 
 def test_digest_is_a_layout_token() -> None:
@@ -113,9 +115,7 @@ def test_bad_arguments(
         layout_digest(tp_size, groups, namespace)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    ("pp_size", "error"), [(0, ValueError), (True, TypeError), (2.0, TypeError)]
-)
-def test_bad_stage_count(pp_size: object, error: type) -> None:
-    with pytest.raises(error, match="pp_size"):
-        layout_digest(1, GROUPS, pp_size=pp_size)  # type: ignore[arg-type]
+@pytest.mark.parametrize("stage", [(2, 1), (-1, 2), (0, True), (0,), "02", (0, 2.0)])
+def test_bad_stage_range(stage: object) -> None:
+    with pytest.raises(ValueError, match=r"pp_stages\[1\] must be a \(start, end\) layer range"):
+        layout_digest(1, GROUPS, pp_stages=[(0, 1), stage])  # type: ignore[list-item]

@@ -90,8 +90,19 @@ def plan_from_vllm(
         kv_cache_config.prefix_cacheable_group_ids,
         shape,
         namespace,
-        parallel.pipeline_parallel_size,
+        _pipeline_stages(vllm_config),
     )
+
+
+def _pipeline_stages(vllm_config: VllmConfig) -> list[tuple[int, int]]:
+    """The model layers of each pipeline stage, as vLLM splits them (none: one stage)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages == 1:
+        return []
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    return [get_pp_indices(layers, rank, stages) for rank in range(stages)]
 
 
 def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:
@@ -221,6 +232,17 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     "model; saves are unaffected",
                     len(kv_cache_config.kv_cache_groups),
                 )
+            # A stage that computed over its own failed load hands wrong hidden states to
+            # the next, which would save the KV it computes from them: the stages cannot
+            # agree within a step (the next one waits for this one's output), but vLLM
+            # learns of a failed background load before any stage computes over it.
+            staged = self.plan.pp_size > 1
+            if staged and not hybrid and not self.config.load_async:
+                logger.info(
+                    "hybridkv: %d pipeline stages: pool hits load in the background "
+                    "(load_async), so that no stage computes over another's failed load",
+                    self.plan.pp_size,
+                )
             self._scheduler = SchedulerSide(
                 self.keys,
                 self.config,
@@ -228,7 +250,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_role,
                 builder,
                 prompt_tail_unit(vllm_config, kv_cache_config),
-                load_async_required=hybrid,
+                load_async_required=hybrid or staged,
                 checkpoints=prefill_checkpoints(vllm_config, kv_cache_config, self.plan),
                 use_eagle=drops_eagle_block(vllm_config),
             )

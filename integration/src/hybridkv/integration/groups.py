@@ -220,12 +220,13 @@ def plan_groups(
     group_ids: Sequence[int],
     shape: ModelShape,
     namespace: str = "",
-    pp_size: int = 1,
+    pp_stages: Sequence[tuple[int, int]] = (),
 ) -> KVPlan:
     """Translate the prefix-cacheable groups `group_ids` of a vLLM kv_cache_config.
 
-    With pipeline stages (`pp_size` > 1) each holds its own layers of every group and keys
-    its objects by stage; the digest then leaves the layer names out: each stage's
+    `pp_stages`: the `[start, end)` model layers of each pipeline stage (none: no stages).
+    Each stage holds its own layers of every group and keys its objects by stage; the
+    digest then has the stages' ranges in place of the layer names: each stage's
     kv_cache_config names its own layers only, the scheduler's the first stage's."""
     if not _TRANSLATORS:
         _register_vllm_specs()
@@ -251,16 +252,16 @@ def plan_groups(
         )
     digest = layout_digest(
         shape.tp_size,
-        [(plan.layer_names if pp_size == 1 else (), plan.signature) for plan in plans],
+        [(() if pp_stages else plan.layer_names, plan.signature) for plan in plans],
         namespace or None,
-        pp_size,
+        pp_stages,
     )
     return KVPlan(
         groups=tuple(plans),
         tp_size=shape.tp_size,
         digest=digest,
         hash_block_size=math.gcd(*(plan.block_size for plan in plans)),
-        pp_size=pp_size,
+        pp_size=max(1, len(pp_stages)),
     )
 
 
