@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tinymodels
@@ -94,6 +94,29 @@ class Reference:
     model_path: Path
     outputs: dict[str, PromptResult]
     kv_groups: list[str]
+
+
+Run = TypeVar("Run")
+
+
+def run_each(names: Iterable[str], run: Callable[[str], Run]) -> dict[str, Run | Exception]:
+    """`run(name)` for each name; a failure is kept for that name's tests to report, so one
+    failing configuration does not hide what the others show."""
+    outcomes: dict[str, Run | Exception] = {}
+    for name in names:
+        try:
+            outcomes[name] = run(name)
+        except Exception as error:
+            outcomes[name] = error
+    return outcomes
+
+
+def outcome(runs: dict[str, Run | Exception], name: str) -> Run:
+    """`name`'s run, or its failure raised."""
+    result = runs[name]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def thread_binding(ranks: int) -> str:

@@ -26,6 +26,8 @@ from scenario import (
     MAX_NUM_BATCHED_TOKENS,
     keys_added_by_step,
     logprob_gap,
+    outcome,
+    run_each,
     thread_binding,
 )
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
@@ -89,27 +91,14 @@ def _run(pool: Pool, models: Path, runs: Path, model: str) -> PipelineRun:
 def runs(
     vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
 ) -> dict[str, PipelineRun | Exception]:
-    outcomes: dict[str, PipelineRun | Exception] = {}
-    for model in MODELS:
-        try:
-            outcomes[model] = _run(pool, models_dir, runs_dir, model)
-        except Exception as error:  # each test reports its model's failure
-            outcomes[model] = error
-    return outcomes
-
-
-def _outcome(runs: dict[str, PipelineRun | Exception], model: str) -> PipelineRun:
-    outcome = runs[model]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    return run_each(MODELS, lambda model: _run(pool, models_dir, runs_dir, model))
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_both_stages_load_their_layers_with_identical_output(
     runs: dict[str, PipelineRun | Exception], model: str
 ) -> None:
-    run = _outcome(runs, model)
+    run = outcome(runs, model)
     got, cold = run.reader["clean"], run.cold["clean"]
     assert got.external_hit_tokens == EXPECTED_HITS["clean"]
     assert got.token_ids == cold.token_ids
@@ -120,7 +109,7 @@ def test_both_stages_load_their_layers_with_identical_output(
 def test_each_stage_stores_every_block_of_its_groups(
     runs: dict[str, PipelineRun | Exception], model: str
 ) -> None:
-    keys = [parse_key(key) for key in _outcome(runs, model).keys["clean"]]
+    keys = [parse_key(key) for key in outcome(runs, model).keys["clean"]]
     by_stage: dict[int | None, set[tuple[int, str]]] = {}
     for key in keys:
         by_stage.setdefault(key.pp_rank, set()).add((key.group, key.block_hash))
@@ -132,7 +121,7 @@ def test_each_stage_stores_every_block_of_its_groups(
 def test_second_stage_objects_are_the_ones_it_loads(
     runs: dict[str, PipelineRun | Exception], model: str
 ) -> None:
-    run = _outcome(runs, model)
+    run = outcome(runs, model)
     got = run.reader["second_stage_corrupted"]
     assert got.external_hit_tokens == EXPECTED_HITS["second_stage_corrupted"]
     assert logprob_gap(got, run.cold["second_stage_corrupted"]) > CHANGED

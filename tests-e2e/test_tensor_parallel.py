@@ -36,6 +36,8 @@ from scenario import (
     group_of,
     keys_added_by_step,
     logprob_gap,
+    outcome,
+    run_each,
     thread_binding,
 )
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
@@ -130,20 +132,7 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
 def runs(
     vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
 ) -> dict[str, TensorParallelRun | Exception]:
-    outcomes: dict[str, TensorParallelRun | Exception] = {}
-    for shape in SHAPES:
-        try:
-            outcomes[shape] = _run(pool, models_dir, runs_dir, shape)
-        except Exception as error:  # each test reports its shape's failure
-            outcomes[shape] = error
-    return outcomes
-
-
-def _outcome(runs: dict[str, TensorParallelRun | Exception], shape: str) -> TensorParallelRun:
-    outcome = runs[shape]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    return run_each(SHAPES, lambda shape: _run(pool, models_dir, runs_dir, shape))
 
 
 def _heads(keys: list[str]) -> dict[int, set[int]]:
@@ -158,7 +147,7 @@ def _heads(keys: list[str]) -> dict[int, set[int]]:
 def test_each_rank_loads_its_own_share_with_identical_output(
     runs: dict[str, TensorParallelRun | Exception], shape: str
 ) -> None:
-    run = _outcome(runs, shape)
+    run = outcome(runs, shape)
     got, cold = run.reader["clean"], run.cold["clean"]
     assert got.external_hit_tokens == EXPECTED_HITS["clean"]
     assert got.token_ids == cold.token_ids
@@ -169,7 +158,7 @@ def test_each_rank_loads_its_own_share_with_identical_output(
 def test_second_rank_objects_are_the_ones_it_loads(
     runs: dict[str, TensorParallelRun | Exception], shape: str
 ) -> None:
-    run = _outcome(runs, shape)
+    run = outcome(runs, shape)
     got = run.reader["second_rank_corrupted"]
     assert got.external_hit_tokens == EXPECTED_HITS["second_rank_corrupted"]
     assert logprob_gap(got, run.cold["second_rank_corrupted"]) > CHANGED
@@ -178,7 +167,7 @@ def test_second_rank_objects_are_the_ones_it_loads(
 def test_split_heads_are_stored_once_each(
     runs: dict[str, TensorParallelRun | Exception],
 ) -> None:
-    run = _outcome(runs, "split")
+    run = outcome(runs, "split")
     assert _heads(run.keys["clean"]) == {0: {0, 1}}
     # ten blocks of 32 tokens (the last token is never stored) for each head
     assert len(run.keys["clean"]) == RANKS * ((len(PROMPTS["clean"]) - 1) // BLOCK)
@@ -187,7 +176,7 @@ def test_split_heads_are_stored_once_each(
 def test_replicated_head_is_stored_once_and_sharded_state_by_each_rank(
     runs: dict[str, TensorParallelRun | Exception],
 ) -> None:
-    heads = _heads(_outcome(runs, "replicated").keys["clean"])
+    heads = _heads(outcome(runs, "replicated").keys["clean"])
     assert sorted(heads.values(), key=len) == [{0}, {0, 1}], heads
 
 
@@ -195,7 +184,7 @@ def test_replicated_head_is_stored_once_and_sharded_state_by_each_rank(
 def test_single_rank_instance_finds_nothing_of_two_ranks(
     runs: dict[str, TensorParallelRun | Exception], shape: str
 ) -> None:
-    assert _outcome(runs, shape).single_rank_hits == dict.fromkeys(PROMPTS, 0)
+    assert outcome(runs, shape).single_rank_hits == dict.fromkeys(PROMPTS, 0)
 
 
 @dataclass

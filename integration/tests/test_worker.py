@@ -577,23 +577,25 @@ def test_a_step_computing_nothing_waits_for_a_background_load(rig: Any, idle: bo
     assert slow.finished(set()) == ({"c"} if idle else set())
 
 
-def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
+def _stored_event(index: int) -> Any:
+    """vLLM's event of block `index` of group 0 saved."""
     from vllm.distributed.kv_events import BlockStored
 
+    return BlockStored(
+        block_hashes=[index],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=32,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=0,
+    )
+
+
+def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     worker, _, store = rig
-    events = [
-        BlockStored(
-            block_hashes=[index],
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=32,
-            lora_id=None,
-            medium="CPU",
-            lora_name=None,
-            group_idx=0,
-        )
-        for index in range(2)
-    ]
+    events = [_stored_event(index) for index in range(2)]
     saves = [
         BlockRef(0, index, index + 1, bytes([0, index]) * 16, events[index]) for index in range(2)
     ]
@@ -738,22 +740,11 @@ def test_a_pipeline_stage_puts_objects_of_its_own_and_reports_them_as_its_own(
 ) -> None:
     """The second of two stages writes under `pp_rank:1` and announces its save as a
     writer of its own (the scheduler waits for every stage's)."""
-    from vllm.distributed.kv_events import BlockStored
-
     keys, _, layouts = _model(vllm_specs, pp_rank=1)
     store = MemoryStore()
     engine = TransferEngine(store, layouts)
     worker = WorkerSide(keys, engine, WholeBlocks(engine, CpuEvent), 0, CpuEvent)
-    event = BlockStored(
-        block_hashes=[0],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=32,
-        lora_id=None,
-        medium="CPU",
-        lora_name=None,
-        group_idx=0,
-    )
+    event = _stored_event(0)
     _step(worker, [RequestTransfers(request_id="a", saves=[BlockRef(0, 0, 1, b"\1" * 32, event)])])
     worker.barrier()
     storing = keys.plan.groups[0].heads.storing
