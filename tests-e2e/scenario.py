@@ -160,6 +160,19 @@ def logprob_gap(a: PromptResult, b: PromptResult) -> float:
 # -- pool surgery, done by the test process between the writer and the reader ----------
 
 
+def assert_hit_like_cold(got: PromptResult, cold: PromptResult, hit: int) -> None:
+    """`got` hit `hit` tokens in the pool and then generated exactly what `cold` did."""
+    assert got.external_hit_tokens == hit
+    assert got.token_ids == cold.token_ids
+    assert logprob_gap(got, cold) <= LOGPROB_TOLERANCE
+
+
+def assert_hit_but_changed(got: PromptResult, cold: PromptResult, hit: int) -> None:
+    """`got` hit `hit` tokens in the pool, whose corrupted bytes then changed its output."""
+    assert got.external_hit_tokens == hit
+    assert logprob_gap(got, cold) > CHANGED
+
+
 def object_size(master_http: str, key: str) -> int:
     """Size of a stored object, from the master's replica descriptor."""
     url = f"http://{master_http}/query_key?key={urllib.parse.quote(key, safe='@:')}"
