@@ -754,6 +754,15 @@ def test_a_pipeline_stage_puts_objects_of_its_own_and_reports_them_as_its_own(
     worker.close()
 
 
+def test_a_worker_refuses_the_scheduler_s_key_space_of_every_stage(vllm_specs: Any) -> None:
+    """Keys of both stages would have the second stage write the first's objects."""
+    keys, _, layouts = _model(vllm_specs, pp_rank=0)
+    every_stage = KeySpace(keys.plan, "tiny")
+    engine = TransferEngine(MemoryStore(), layouts)
+    with pytest.raises(ValueError, match="one pipeline stage's objects, not 2 stages'"):
+        WorkerSide(every_stage, engine, WholeBlocks(engine, CpuEvent), 0, CpuEvent)
+
+
 def test_a_stage_holding_no_layer_of_a_group_is_refused(vllm_specs: Any) -> None:
     config = groups(
         vllm_specs, (["model.layers.0.attn"], attention(vllm_specs)), ([], mamba(vllm_specs))

@@ -133,6 +133,11 @@ class WorkerSide:
         after `wait_for_save` returns, until the next step's `handle_preemptions` (the
         barrier): only where vLLM calls that before it zeroes, copies or computes into any
         block; else every save completes within `wait_for_save`."""
+        if keys.stages != 1:
+            raise ValueError(
+                f"a worker moves one pipeline stage's objects, not {keys.stages} stages': "
+                "give its KeySpace the worker's pp_rank"
+            )
         self.keys = keys
         self._any_rank = any_rank
         self._steps_ahead = steps_ahead
