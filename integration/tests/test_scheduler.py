@@ -46,14 +46,16 @@ def _store(
     heads: Sequence[int],
     upto: int,
     writer: Any = None,
+    keys: KeySpace | None = None,
 ) -> None:
     """Put every group's blocks of the first `upto` tokens for `heads` (as `writer`, a
-    request, computed them: its LoRA, salt...)."""
+    request, computed them: its LoRA, salt...), under `keys` (default: the side's)."""
+    keys = side.keys if keys is None else keys
     hashes = RequestHashes(side.plan, "", None if writer is None else request_extra(writer))
     hashes.cover(tokens, upto)
     for group, plan in enumerate(side.plan.groups):
         blocks = hashes.for_group(plan.block_size)[: upto // plan.block_size]
-        pool.keys.update(side.keys.keys(group, blocks, heads))
+        pool.keys.update(keys.keys(group, blocks, heads))
 
 
 def test_hit_needs_every_storing_head_tp4_two_kv_heads(vllm_specs: Any) -> None:
@@ -357,13 +359,8 @@ def test_with_pipeline_stages_a_block_hits_only_when_every_stage_holds_it(
     plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], ONE_RANK, pp_stages=[(0, 1), (1, 2)])
     pool = Pool()
     side = SchedulerSide(KeySpace(plan, "tiny"), ConnectorConfig(), pool.query)
-    hashes = RequestHashes(plan, "", None)
-    hashes.cover(TOKENS, 192)
     for stage, upto in ((0, 192), (1, 128)):  # the second stage saved four blocks only
-        writer = KeySpace(plan, "tiny", pp_rank=stage)
-        for group, group_plan in enumerate(plan.groups):
-            blocks = hashes.for_group(group_plan.block_size)[: upto // group_plan.block_size]
-            pool.keys.update(writer.keys(group, blocks, [0]))
+        _store(side, pool, TOKENS, [0], upto, keys=KeySpace(plan, "tiny", pp_rank=stage))
     assert side.num_new_matched_tokens(request("r", TOKENS[:200]), 0) == (128, False)
     assert all("@pp_rank:" in key for key in pool.keys)
     assert len(side.keys.prefixes()) == 4  # two groups, two stages

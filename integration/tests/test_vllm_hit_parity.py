@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import mamba
+from conftest import _require, attention, mamba
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,13 +48,12 @@ def layouts(draw: st.DrawFn) -> Layout:
 
 @pytest.fixture(scope="module")
 def vllm_core() -> Any:
-    pytest.importorskip("vllm")  # the conftest guard fails first under HYBRIDKV_REQUIRE_REAL
+    _require("vllm")
     from vllm.utils.hashing import sha256
-    from vllm.v1 import kv_cache_interface as specs
     from vllm.v1.core import kv_cache_coordinator, kv_cache_utils
 
     kv_cache_utils.init_none_hash(sha256)
-    return specs, kv_cache_coordinator, kv_cache_utils, sha256
+    return kv_cache_coordinator, kv_cache_utils, sha256
 
 
 def _vllm_request(request_id: str, tokens: list[int], block_hasher: Any) -> Any:
@@ -77,19 +76,15 @@ def _vllm_request(request_id: str, tokens: list[int], block_hasher: Any) -> Any:
 def test_pool_hit_is_vllm_s_own(
     vllm_specs: Any, vllm_core: Any, layout: Layout, written: int, shared: int, more: int
 ) -> None:
-    import torch
-
-    specs, coordinators, utils, sha256 = vllm_core
+    specs = vllm_specs
+    coordinators, utils, sha256 = vllm_core
     groups = []
     shapes = zip(layout.shapes, layout.marked, strict=True)
     for index, ((block_size, (kind, window)), marked) in enumerate(shapes):
-        common = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
         if kind == "state":
             spec = mamba(specs, block_size)
-        elif kind == "window":
-            spec = specs.SlidingWindowSpec(sliding_window=window, **common)
         else:
-            spec = specs.FullAttentionSpec(**common)
+            spec = attention(specs, block_size, heads=1, window=window or None)
         groups.append(specs.KVCacheGroupSpec([f"l{index}"], spec, is_eagle_group=marked))
     config = specs.KVCacheConfig(num_blocks=512, kv_cache_tensors=[], kv_cache_groups=groups)
     block_sizes = [block_size for block_size, _ in layout.shapes]
