@@ -38,10 +38,12 @@ def test_every_key_is_accepted() -> None:
             "staging_bytes": "64MB",
             "granularity": "group",
             "full_pool_pause_s": 0.5,
+            "kv_cache_layout": "BLHNC",
         }
     )
     assert config.layerwise_prefetch_layers == 3
     assert config.namespace == "tenant-a"
+    assert config.kv_cache_layout == "BLHNC"
     assert config.pipeline_options("cpu").staging_bytes == 64 << 20
     assert config.pipeline_options("cpu").full_pool_pause_s == 0.5
     assert parse_extra_config({"staging_bytes": 0}).pipeline_options("cpu").staging_bytes == 0
@@ -72,6 +74,7 @@ def test_every_key_is_accepted() -> None:
         ({"granularity": "bytes"}, "granularity"),
         ({"full_pool_pause_s": -1}, "full_pool_pause_s"),
         ({"failed_load_quarantine_s": 0}, "failed_load_quarantine_s"),
+        ({"kv_cache_layout": "LHBNC"}, "kv_cache_layout"),  # a block spread over heads
     ],
 )
 def test_bad_input_names_the_key(extra: dict[str, object], named: str) -> None:

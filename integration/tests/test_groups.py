@@ -126,6 +126,38 @@ def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
     )
 
 
+@pytest.mark.parametrize("heads", [2, 1])
+def test_the_digest_follows_how_vllm_orders_a_blocks_heads_and_tokens(
+    vllm_specs: Any, heads: int
+) -> None:
+    """vLLM's resolved KV cache layout orders a block's bytes: BLHNC and LBHNC blocks hold
+    the same bytes and share objects; LBNHC interleaves the heads, so its instances are
+    kept apart, unless one KV head per rank makes every order the same."""
+    from vllm.config import CacheConfig, ParallelConfig
+
+    from hybridkv.integration.connector import plan_from_vllm
+
+    kv_cache_config: Any = SimpleNamespace(
+        kv_cache_groups=groups(vllm_specs, (["a"], attention(vllm_specs, heads=heads))),
+        prefix_cacheable_group_ids=[0],
+    )
+
+    def digest(layout: str) -> str:
+        cache = CacheConfig()
+        cache.kv_cache_layout = layout
+        vllm_config: Any = SimpleNamespace(
+            parallel_config=ParallelConfig(),
+            cache_config=cache,
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads),
+        )
+        return plan_from_vllm(vllm_config, kv_cache_config, "").digest
+
+    digests = {layout: digest(layout) for layout in ("LBHNC", "BLHNC", "LBNHC", "BLNHC")}
+    assert digests["LBHNC"] == digests["BLHNC"]
+    assert digests["LBNHC"] == digests["BLNHC"]
+    assert (digests["LBHNC"] == digests["LBNHC"]) == (heads == 1)
+
+
 def test_a_namespace_and_a_key_format_have_key_prefixes_of_their_own(vllm_specs: Any) -> None:
     """A cache reset removes objects by key prefix: it must reach its own namespace and
     key format only (a single-group model's prefix also begins the model's hybrid keys)."""

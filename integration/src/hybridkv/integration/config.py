@@ -46,6 +46,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # How objects meet the store ("auto": chosen per device, protocol and cache layout,
     # see `granularity_for`); "staged" needs host caches.
     granularity: Granularity | Literal["auto"] = "auto"
+    # The KV cache layout asked of vLLM (a KVCacheLayout name; none: vLLM's own choice).
+    # "BLHNC" puts a block's layers back to back, so every object is one run of cache
+    # memory, moved in place in one piece. vLLM takes it only where every attention
+    # backend of the instance can (it warns and picks its own otherwise).
+    kv_cache_layout: Literal["BLHNC", "BLNHC", "LBHNC", "LBNHC"] | None = None
     # After the pool refused a save for want of room, saves pause this many seconds.
     full_pool_pause_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # Objects whose load failed count as absent for lookups this many seconds (a dead

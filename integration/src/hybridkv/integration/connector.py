@@ -81,9 +81,11 @@ def plan_from_vllm(
     ):
         if size > 1:
             raise ValueError(f"HybridKVConnector does not support {what} yet ({setting}={size})")
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     shape = ModelShape(
         tp_size=parallel.tensor_parallel_size,
         total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+        block_interior="".join(axis for axis in layout.name if axis in "HNC"),
     )
     return plan_groups(
         kv_cache_config.kv_cache_groups,
@@ -509,6 +511,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # A full CUDA graph replays attention without the per-layer connector calls: a
         # layerwise load would not be waited for before its layer reads the blocks.
         return parse_extra_config(extra_config).use_layerwise
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        return parse_extra_config(transfer.kv_connector_extra_config).kv_cache_layout
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

@@ -84,6 +84,10 @@ class ModelShape:
 
     tp_size: int
     total_kv_heads: int
+    # The memory order of a cache block's heads (H), tokens (N) and channels (C), from
+    # vLLM's KV cache layout (LBNHC: "NHC"). Instances lay a block's bytes out alike only
+    # when it matches; with one KV head per rank every order gives the same bytes.
+    block_interior: str = "HNC"
 
 
 _Translation = tuple[GroupKind, dict[str, Any], int]
@@ -102,8 +106,8 @@ def translator(*spec_types: type) -> Callable[[_Translator], _Translator]:
     return register
 
 
-def _attention_signature(spec: Any) -> dict[str, Any]:
-    return {
+def _attention_signature(spec: Any, shape: ModelShape) -> dict[str, Any]:
+    signature = {
         "spec": type(spec).__name__,
         "block_size": spec.block_size,
         "page_bytes": spec.page_size_bytes,
@@ -111,6 +115,9 @@ def _attention_signature(spec: Any) -> dict[str, Any]:
         "head_size": spec.head_size,
         "dtype": str(spec.dtype),
     }
+    if spec.num_kv_heads > 1:
+        signature["block_interior"] = shape.block_interior
+    return signature
 
 
 def _attention_storing(shape: ModelShape) -> int:
@@ -137,22 +144,23 @@ def _register_vllm_specs() -> None:
 
     @translator(specs.FullAttentionSpec)
     def _full(spec: Any, shape: ModelShape) -> _Translation:
-        return FullAttention(spec.block_size), _attention_signature(spec), _attention_storing(shape)
+        signature = _attention_signature(spec, shape)
+        return FullAttention(spec.block_size), signature, _attention_storing(shape)
 
     @translator(specs.MLAAttentionSpec)
     def _mla(spec: Any, shape: ModelShape) -> _Translation:
         # The latent cache is replicated on every TP rank: one object per block.
-        return FullAttention(spec.block_size), _attention_signature(spec), 1
+        return FullAttention(spec.block_size), _attention_signature(spec, shape), 1
 
     @translator(specs.SlidingWindowSpec)
     def _sliding(spec: Any, shape: ModelShape) -> _Translation:
-        signature = {**_attention_signature(spec), "window": spec.sliding_window}
+        signature = {**_attention_signature(spec, shape), "window": spec.sliding_window}
         kind = SlidingWindow(spec.block_size, spec.sliding_window)
         return kind, signature, _attention_storing(shape)
 
     @translator(specs.ChunkedLocalAttentionSpec)
     def _chunked(spec: Any, shape: ModelShape) -> _Translation:
-        signature = {**_attention_signature(spec), "chunk": spec.attention_chunk_size}
+        signature = {**_attention_signature(spec, shape), "chunk": spec.attention_chunk_size}
         kind = ChunkedLocal(spec.block_size, spec.attention_chunk_size)
         return kind, signature, _attention_storing(shape)
 

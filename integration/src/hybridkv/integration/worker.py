@@ -63,8 +63,11 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
         )
     entries = []
     for part_name, part in parts:
-        if not part[0].is_contiguous():
-            raise ValueError(f"{part_name}: a block's bytes are not contiguous ({part.stride()})")
+        if not _one_run(part[0]):
+            raise ValueError(
+                f"{part_name}: a block's bytes are not one run of memory (shape "
+                f"{tuple(part.shape)}, strides {part.stride()})"
+            )
         size = part.element_size()
         entries.append(
             CacheEntry(
@@ -77,6 +80,18 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
             )
         )
     return entries
+
+
+def _one_run(block: Any) -> bool:
+    """Whether a block's elements fill one run of memory, in any axis order (vLLM's LBNHC
+    views a block as [H, N, C] over memory ordered [N, H, C]: not `is_contiguous`, yet one
+    run, moved as it lies)."""
+    expected = 1
+    for size, stride in sorted(zip(block.shape, block.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def build_layouts(
