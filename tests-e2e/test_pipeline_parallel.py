@@ -4,8 +4,9 @@ A writer and a reader, each vLLM with ``pipeline_parallel_size=2`` (the "mp" exe
 worker process per stage), share prefixes through the pool, and the reader's output is
 compared with a cold run of the same shape. Each stage writes objects of its own layers
 under its own ``pp_rank`` in the key; the scheduler finds a block only when every stage
-holds it. Two models: Llama (one full-attention group) and Gemma3 (sliding window and full
-attention, one layer of each per stage).
+holds it. Three models, one layer of each group per stage: Llama (one full-attention
+group), Gemma3 (sliding window and full attention) and LFM2 (short-conv state and full
+attention: each stage loads its own recurrent states).
 
 The negative control corrupts only the second stage's objects of one prompt: the reader's
 output must change, so that stage does load its own objects.
@@ -34,7 +35,7 @@ from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_
 from hybridkv.keys import parse_key
 
 STAGES = 2
-MODELS = ["llama", "gemma3"]
+MODELS = ["llama", "gemma3", "lfm2"]
 PROMPTS = {
     "clean": tinymodels.prompt_ids(60, 346),  # hit 320: ten blocks, five chunks
     "second_stage_corrupted": tinymodels.prompt_ids(61, 257),  # hit 256
