@@ -126,20 +126,26 @@ def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("heads", [2, 1])
+@pytest.mark.parametrize(
+    ("heads", "slots", "apart"),
+    [(2, None, True), (1, None, False), (1, 2, True)],  # slots: a backend packing a head in 2
+)
 def test_the_digest_follows_how_vllm_orders_a_blocks_heads_and_tokens(
-    vllm_specs: Any, heads: int
+    vllm_specs: Any, heads: int, slots: int | None, apart: bool
 ) -> None:
     """vLLM's resolved KV cache layout orders a block's bytes: BLHNC and LBHNC blocks hold
-    the same bytes and share objects; LBNHC interleaves the heads, so its instances are
-    kept apart, unless one KV head per rank makes every order the same."""
+    the same bytes and share objects; LBNHC interleaves the head slots, so its instances
+    are kept apart, unless one head slot per page makes every order the same."""
+    import torch
     from vllm.config import CacheConfig, ParallelConfig
 
     from hybridkv.integration.connector import plan_from_vllm
 
+    spec = vllm_specs.FullAttentionSpec(
+        block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.float32, num_head_slots=slots
+    )
     kv_cache_config: Any = SimpleNamespace(
-        kv_cache_groups=groups(vllm_specs, (["a"], attention(vllm_specs, heads=heads))),
-        prefix_cacheable_group_ids=[0],
+        kv_cache_groups=groups(vllm_specs, (["a"], spec)), prefix_cacheable_group_ids=[0]
     )
 
     def digest(layout: str) -> str:
@@ -155,7 +161,7 @@ def test_the_digest_follows_how_vllm_orders_a_blocks_heads_and_tokens(
     digests = {layout: digest(layout) for layout in ("LBHNC", "BLHNC", "LBNHC", "BLNHC")}
     assert digests["LBHNC"] == digests["BLHNC"]
     assert digests["LBNHC"] == digests["BLNHC"]
-    assert (digests["LBHNC"] == digests["LBNHC"]) == (heads == 1)
+    assert (digests["LBHNC"] != digests["LBNHC"]) == apart
 
 
 def test_a_namespace_and_a_key_format_have_key_prefixes_of_their_own(vllm_specs: Any) -> None:

@@ -109,6 +109,8 @@ def test_layout_entries_from_tensors() -> None:
     assert [e.name for e in split] == ["kv#k", "kv#v"]
     with pytest.raises(ValueError, match="num_blocks first"):
         tensor_entries(3, "bad", torch.zeros(3, 5), NUM_BLOCKS)
+    with pytest.raises(ValueError, match="splits each block into 2"):  # kernel blocks
+        tensor_entries(3, "split", torch.zeros(2 * NUM_BLOCKS, 5), NUM_BLOCKS)
     # A block whose axes are permuted in memory (vLLM's LBNHC) is still one run...
     (permuted,) = tensor_entries(4, "p", torch.zeros(NUM_BLOCKS, 4, 2).transpose(1, 2), NUM_BLOCKS)
     assert (permuted.block_bytes, permuted.block_stride) == (32, 32)

@@ -86,7 +86,7 @@ class ModelShape:
     total_kv_heads: int
     # The memory order of a cache block's heads (H), tokens (N) and channels (C), from
     # vLLM's KV cache layout (LBNHC: "NHC"). Instances lay a block's bytes out alike only
-    # when it matches; with one KV head per rank every order gives the same bytes.
+    # when it matches; with one head slot per page every order gives the same bytes.
     block_interior: str = "HNC"
 
 
@@ -115,7 +115,9 @@ def _attention_signature(spec: Any, shape: ModelShape) -> dict[str, Any]:
         "head_size": spec.head_size,
         "dtype": str(spec.dtype),
     }
-    if spec.num_kv_heads > 1:
+    # The order of heads and tokens moves bytes only where a page holds several of each
+    # (its head slots: some backends pack one KV head into two).
+    if spec.num_heads > 1 and spec.num_states > 1:
         signature["block_interior"] = shape.block_interior
     return signature
 

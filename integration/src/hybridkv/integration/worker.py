@@ -56,6 +56,13 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
         parts = [(name, tensor)]
     elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
         parts = [(f"{name}#k", tensor[0]), (f"{name}#v", tensor[1])]
+    elif shape and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+        raise ValueError(
+            f"KV cache tensor of {name} has {shape[0]} kernel blocks for {num_blocks} "
+            f"blocks: the attention backend splits each block into {shape[0] // num_blocks}, "
+            "which HybridKVConnector does not store; choose a --block-size the backend "
+            "takes whole (its kernel block sizes)"
+        )
     else:
         raise ValueError(
             f"KV cache tensor of {name} has shape {shape}: expected [{num_blocks}, ...] or "
