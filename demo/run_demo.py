@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import tinymodels
-from vllm_instance import InstanceSpec, PromptResult, Step, run_instance
+from vllm_instance import InstanceSpec, Step, logprob_gap, run_instance
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -47,17 +47,6 @@ def _parse_args() -> argparse.Namespace:
         "--layerwise", action="store_true", help="move KV layer by layer (use_layerwise)"
     )
     return parser.parse_args()
-
-
-def _logprob_gap(warm: PromptResult, cold: PromptResult) -> float:
-    """Largest |logprob difference| over the top tokens both runs report at each step."""
-    gap = 0.0
-    for a, b in zip(warm.logprobs, cold.logprobs, strict=True):
-        other = dict(b)
-        if set(dict(a)) != set(other):
-            return float("inf")
-        gap = max([gap, *(abs(logprob - other[token]) for token, logprob in a)])
-    return gap
 
 
 def _say(text: str) -> None:
@@ -131,7 +120,7 @@ def main() -> int:
         _say(f"  {name:<36} {hit:>16} {result.first_token_latency_s * 1e3:>18.1f} ms")
     _say("")
 
-    gap = _logprob_gap(warm, cold)
+    gap = logprob_gap(warm, cold)
     problems = []
     if warm.external_hit_tokens == 0:
         problems.append("B found nothing in the pool: no prefix was reused")

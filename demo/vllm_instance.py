@@ -100,6 +100,20 @@ class PromptResult(msgspec.Struct, kw_only=True):
     transfer: dict[str, float] | None = None
 
 
+def logprob_gap(a: PromptResult, b: PromptResult) -> float:
+    """Largest logprob difference over tokens both runs report (inf if tokens differ)."""
+    if a.token_ids != b.token_ids:
+        return float("inf")
+    gap = 0.0
+    for position_a, position_b in zip(a.logprobs, b.logprobs, strict=True):
+        other = dict(position_b)
+        if set(dict(position_a)) != set(other):
+            return float("inf")
+        for token, logprob in position_a:
+            gap = max(gap, abs(logprob - other[token]))
+    return gap
+
+
 class StepResult(msgspec.Struct, kw_only=True):
     prompts: list[PromptResult]
     keys: list[str] | None = None

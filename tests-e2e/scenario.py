@@ -27,6 +27,7 @@ from vllm_instance import (
     Step,
     StepResult,
     list_pool_keys,
+    logprob_gap,
     run_instance,
 )
 
@@ -141,20 +142,6 @@ def keys_added_by_step(
         added[name] = sorted(set(step.keys) - before)
         before = set(step.keys)
     return added
-
-
-def logprob_gap(a: PromptResult, b: PromptResult) -> float:
-    """Largest logprob difference over tokens both runs report (inf if tokens differ)."""
-    if a.token_ids != b.token_ids:
-        return float("inf")
-    gap = 0.0
-    for position_a, position_b in zip(a.logprobs, b.logprobs, strict=True):
-        other = dict(position_b)
-        if set(dict(position_a)) != set(other):
-            return float("inf")
-        for token, logprob in position_a:
-            gap = max(gap, abs(logprob - other[token]))
-    return gap
 
 
 # -- pool surgery, done by the test process between the writer and the reader ----------
