@@ -23,7 +23,6 @@ minutes per model on 2 cores).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared 
 
 import tinymodels
 from load_watch import LoadWatch
-from vllm_instance import InstanceSpec, PromptResult, Step, run_instance
+from vllm_instance import InstanceSpec, PromptResult, Step, run_instance, write_pool_config
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -93,10 +92,7 @@ def _bench(model: str, repeats: int) -> None:
         cold = _ttft_ms(run("cold", None, turns))
         print(f"  cold, no connector            TTFT {cold:8.1f} ms", flush=True)
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "1GB"):
-            config_path = root / "mooncake.json"
-            config_path.write_text(
-                json.dumps({"master_server_address": master.address, "global_segment_size": 0})
-            )
+            config_path = write_pool_config(root / "mooncake.json", master.address, 128 << 20)
             env["MOONCAKE_CONFIG_PATH"] = str(config_path)
             run("writer", {"namespace": "bench-tails"}, written)
             for label, tails in (("whole blocks only", False), ("prompt tails", True)):

@@ -27,7 +27,6 @@ Run: ``python benchmarks/bench_vllm.py`` (about 5 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared 
 
 import tinymodels
 from load_watch import LoadWatch
-from vllm_instance import InstanceResult, InstanceSpec, PromptResult, Step, run_instance
+from vllm_instance import (
+    InstanceResult,
+    InstanceSpec,
+    PromptResult,
+    Step,
+    run_instance,
+    write_pool_config,
+)
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -137,15 +143,7 @@ def main() -> int:
 
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "2GB"):
             config_path = Path(scratch) / "mooncake.json"
-            config_path.write_text(
-                json.dumps(
-                    {
-                        "master_server_address": master.address,
-                        "global_segment_size": 0,  # store into the holder: data outlives us
-                        "local_buffer_size": 256 << 20,
-                    }
-                )
-            )
+            write_pool_config(config_path, master.address, 256 << 20)
             bench.env["MOONCAKE_CONFIG_PATH"] = str(config_path)
             shared: dict[str, object] = {"namespace": "bench"}
             # the writer stores the shared prefix (first prompt) and two fresh prompts

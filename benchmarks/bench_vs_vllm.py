@@ -28,7 +28,6 @@ on 2 cores).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared 
 
 import tinymodels
 from bench_vllm import BLOCK, CHUNK, _ms, _ttft
-from vllm_instance import InstanceSpec, PromptResult, Step, logprob_gap, run_instance
+from vllm_instance import (
+    InstanceSpec,
+    PromptResult,
+    Step,
+    logprob_gap,
+    run_instance,
+    write_pool_config,
+)
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -105,20 +111,7 @@ def main() -> int:
             f"  {'max |logprob gap|':>17}  hits"
         )
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "2GB"):
-            config_path = root / "mooncake.json"
-            config_path.write_text(
-                json.dumps(
-                    {
-                        "master_server_address": master.address,
-                        "metadata_server": "P2PHANDSHAKE",
-                        "protocol": "tcp",
-                        "local_hostname": "127.0.0.1",
-                        "mode": "standalone-store",
-                        "global_segment_size": 0,
-                        "local_buffer_size": 256 << 20,
-                    }
-                )
-            )
+            config_path = write_pool_config(root / "mooncake.json", master.address, 256 << 20)
             for name in models:
                 model = tinymodels.build(name, root / "models", args.layers, args.hidden)
                 runner = Runner(args, model, root)

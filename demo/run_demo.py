@@ -20,13 +20,12 @@ to move logprobs by ~1e-5 at this model size, which would blur "identical".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import tinymodels
-from vllm_instance import InstanceSpec, Step, logprob_gap, run_instance
+from vllm_instance import InstanceSpec, Step, logprob_gap, run_instance, write_pool_config
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -89,18 +88,7 @@ def main() -> int:
         runs = root / "runs"
         reference = run_instance(spec(None, question_2), runs, "reference", ENGINE_ENV)
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "256MB"):
-            config_path = root / "mooncake.json"
-            config_path.write_text(
-                json.dumps(
-                    {
-                        "master_server_address": master.address,
-                        "metadata_server": "P2PHANDSHAKE",
-                        "protocol": "tcp",
-                        "global_segment_size": 0,  # store into the holder: data outlives A
-                        "local_buffer_size": 64 << 20,
-                    }
-                )
-            )
+            config_path = write_pool_config(root / "mooncake.json", master.address)
             env = {**ENGINE_ENV, "MOONCAKE_CONFIG_PATH": str(config_path)}
             connector = {"namespace": "demo", "use_layerwise": args.layerwise}
             a = run_instance(spec(connector, question_1), runs, "instance-A", env)

@@ -100,6 +100,23 @@ class PromptResult(msgspec.Struct, kw_only=True):
     transfer: dict[str, float] | None = None
 
 
+def write_pool_config(path: Path, master_address: str, local_buffer_size: int = 64 << 20) -> Path:
+    """The `MOONCAKE_CONFIG_PATH` file of instances that lend the pool no memory: a segment
+    holder keeps what they store, so it outlives them. vLLM's MooncakeStoreConnector reads
+    the same file ("standalone-store" is its name for that topology)."""
+    config = {
+        "master_server_address": master_address,
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "mode": "standalone-store",
+        "global_segment_size": 0,
+        "local_buffer_size": local_buffer_size,
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
 def logprob_gap(a: PromptResult, b: PromptResult) -> float:
     """Largest logprob difference over tokens both runs report (inf if tokens differ)."""
     if a.token_ids != b.token_ids:

@@ -10,14 +10,13 @@ demo and the benchmark; they live in ``demo/`` (scripts, not a package), which
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import tinymodels
 from scenario import COLD_PROMPTS, MAX_NUM_BATCHED_TOKENS, MODELS, Reference, Surgeon
-from vllm_instance import InstanceSpec, Step, run_instance
+from vllm_instance import InstanceSpec, Step, run_instance, write_pool_config
 
 from hybridkv.transport import MasterProcess, MooncakeConfig, MooncakeStore, SegmentHolder
 from hybridkv.transport.testing import require_real
@@ -42,21 +41,6 @@ class Pool:
         return f"{self.master.host}:{self.master.metrics_port}"
 
 
-def write_pool_config(directory: Path, master: MasterProcess) -> Path:
-    """The `MOONCAKE_CONFIG_PATH` file of instances that mount no segment of their own."""
-    path = directory / "mooncake.json"
-    config = {
-        "master_server_address": master.address,
-        "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp",
-        "global_segment_size": 0,
-        "local_buffer_size": INSTANCE_BUFFER,
-        "local_hostname": "127.0.0.1",
-    }
-    path.write_text(json.dumps(config))
-    return path
-
-
 @pytest.fixture(scope="session")
 def vllm_ready() -> None:
     """vLLM and the connector must import; under HYBRIDKV_REQUIRE_REAL=1 a gap fails."""
@@ -76,7 +60,9 @@ def pool(
     """Master + a holder lending the memory; instances mount no segment of their own, so
     everything they store lands in the holder and survives them."""
     with SegmentHolder.start(mooncake_master.address, HOLDER_SIZE):
-        config_path = write_pool_config(tmp_path_factory.mktemp("mooncake"), mooncake_master)
+        config_path = write_pool_config(
+            tmp_path_factory.mktemp("mooncake") / "mooncake.json", mooncake_master.address
+        )
         store = MooncakeStore.connect(
             MooncakeConfig(
                 master_server_address=mooncake_master.address,

@@ -38,8 +38,8 @@ from api_server import (
     Server,
     served,
 )
-from conftest import write_pool_config
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
+from vllm_instance import write_pool_config
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -73,7 +73,7 @@ def own_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MasterP
     directory = tmp_path_factory.mktemp("lost-pool")
     # A long client TTL keeps a dead holder's objects listed for the whole test.
     with MasterProcess.start(log_path=directory / "master.log", client_ttl_s=120) as master:
-        yield master, write_pool_config(directory, master)
+        yield master, write_pool_config(directory / "mooncake.json", master.address)
 
 
 @pytest.fixture(scope="module")
