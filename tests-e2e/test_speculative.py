@@ -11,6 +11,7 @@ change it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ class SpeculativeRun:
     keys: dict[str, list[str]]  # the writer's new pool keys, by prompt
     outputs: dict[str, dict[str, PromptResult]]  # by instance, then prompt
     object_bytes: int  # of one stored block
-    layer_block_bytes: int  # K and V of one layer for one block
+    layer_block_bytes: int  # K and V of one layer for one block, in float32
+    target_layers: int
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +79,20 @@ def eagle(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Spe
         "reader": run("reader", every_prompt, {"use_layerwise": True})[0].prompts,
         "cold": run("cold", every_prompt, None)[0].prompts,
     }
-    kv_heads = max(1, MODELS["llama"]["hidden"] // tinymodels.HEAD_DIM // 2)
+    config = json.loads((target.path / "config.json").read_text())
     return SpeculativeRun(
         keys=keys,
         outputs={name: dict(zip(PROMPTS, got, strict=True)) for name, got in results.items()},
         object_bytes=object_size(pool.http, keys["clean"][0]),
-        layer_block_bytes=2 * kv_heads * BLOCK * tinymodels.HEAD_DIM * 4,  # float32
+        layer_block_bytes=2 * config["num_key_value_heads"] * BLOCK * config["head_dim"] * 4,
+        target_layers=config["num_hidden_layers"],
     )
 
 
 def test_each_object_holds_the_draft_heads_layer_beside_the_targets(
     eagle: SpeculativeRun,
 ) -> None:
-    layers = MODELS["llama"]["layers"] + 1  # the EAGLE head's one decoder layer
+    layers = eagle.target_layers + 1  # the EAGLE head's one decoder layer
     assert eagle.object_bytes == layers * eagle.layer_block_bytes
     assert len(eagle.keys["clean"]) == (len(PROMPTS["clean"]) - 1) // BLOCK  # all full blocks
 
