@@ -23,7 +23,6 @@ minutes per model on 2 cores).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,8 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
+from figures import ms, ttft
 from load_watch import LoadWatch
-from vllm_instance import InstanceSpec, PromptResult, Step, run_instance, write_pool_config
+from vllm_instance import InstanceSpec, Step, run_instance, write_pool_config
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -48,10 +48,6 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=list(tinymodels.ENGINES))
     return parser.parse_args()
-
-
-def _ttft_ms(prompts: list[PromptResult]) -> float:
-    return statistics.median(p.first_token_latency_s for p in prompts) * 1e3
 
 
 def main() -> int:
@@ -89,8 +85,8 @@ def _bench(model: str, repeats: int) -> None:
             flush=True,
         )
         load = LoadWatch()
-        cold = _ttft_ms(run("cold", None, turns))
-        print(f"  cold, no connector            TTFT {cold:8.1f} ms", flush=True)
+        cold = ttft(run("cold", None, turns))
+        print(f"  cold, no connector            TTFT {ms(cold)} ms", flush=True)
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "1GB"):
             config_path = write_pool_config(root / "mooncake.json", master.address, 128 << 20)
             env["MOONCAKE_CONFIG_PATH"] = str(config_path)
@@ -98,9 +94,9 @@ def _bench(model: str, repeats: int) -> None:
             for label, tails in (("whole blocks only", False), ("prompt tails", True)):
                 connector = {"namespace": "bench-tails", "prompt_tails": tails}
                 prompts = run(f"reader-tails-{tails}", connector, turns)
-                warm = _ttft_ms(prompts)
+                warm = ttft(prompts)
                 print(
-                    f"  reader, {label:<20s} TTFT {warm:8.1f} ms   cold/warm {cold / warm:5.2f}x"
+                    f"  reader, {label:<20s} TTFT {ms(warm)} ms   cold/warm {cold / warm:5.2f}x"
                     f"   hits {[p.external_hit_tokens for p in prompts]}",
                     flush=True,
                 )

@@ -27,7 +27,6 @@ Run: ``python benchmarks/bench_vllm.py`` (about 5 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
+from figures import median, ms, ttft
 from load_watch import LoadWatch
 from vllm_instance import (
     InstanceResult,
@@ -64,20 +64,8 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def _ttft(prompts: list[PromptResult]) -> float:
-    return _median([p.first_token_latency_s for p in prompts])
-
-
 def _tail(prompts: list[PromptResult], key: str) -> float:
-    return _median([(p.transfer or {}).get(key, float("nan")) for p in prompts])
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:8.1f}"
+    return median((p.transfer or {}).get(key, float("nan")) for p in prompts)
 
 
 class Bench:
@@ -138,8 +126,8 @@ def main() -> int:
             )
         load = LoadWatch()
         fresh = [bench.fresh_prompt(200 + i) for i in range(len(bench.warm_prompts))]
-        cold = _ttft(bench.run("cold", None, [fresh]).steps[1].prompts)
-        print(f"  cold, no connector             TTFT {_ms(cold)} ms", flush=True)
+        cold = ttft(bench.run("cold", None, [fresh]).steps[1].prompts)
+        print(f"  cold, no connector             TTFT {ms(cold)} ms", flush=True)
 
         with MasterProcess.start() as master, SegmentHolder.start(master.address, "2GB"):
             config_path = Path(scratch) / "mooncake.json"
@@ -149,16 +137,16 @@ def main() -> int:
             # the writer stores the shared prefix (first prompt) and two fresh prompts
             writer_prompts = [bench.warm_prompts[0], *fresh[1:]]
             writer = bench.run("writer", shared, [writer_prompts]).steps[1].prompts
-            stored = _ttft(writer)
+            stored = ttft(writer)
             print(
-                f"  whole-block writer (storing)   TTFT {_ms(stored)} ms"
+                f"  whole-block writer (storing)   TTFT {ms(stored)} ms"
                 f"   store overhead {stored / cold:5.2f}x cold",
                 flush=True,
             )
             reader = bench.run("reader-whole", shared, [bench.warm_prompts]).steps[1].prompts
-            warm_whole = _ttft(reader)
+            warm_whole = ttft(reader)
             print(
-                f"  whole-block reader (warm)      TTFT {_ms(warm_whole)} ms"
+                f"  whole-block reader (warm)      TTFT {ms(warm_whole)} ms"
                 f"   cold/warm {cold / warm_whole:5.2f}x   hits "
                 f"{[p.external_hit_tokens for p in reader]}",
                 flush=True,
@@ -180,9 +168,9 @@ def main() -> int:
                 )
                 rows.append((prefetch, backlog, result.steps[1].prompts, result.steps[2].prompts))
                 if (prefetch, backlog) == (2, BACKLOG_DEFAULT):
-                    warm_layerwise = _ttft(result.steps[2].prompts)
+                    warm_layerwise = ttft(result.steps[2].prompts)
                     print(
-                        f"  layerwise reader (warm)        TTFT {_ms(warm_layerwise)} ms"
+                        f"  layerwise reader (warm)        TTFT {ms(warm_layerwise)} ms"
                         f"   cold/warm {cold / warm_layerwise:5.2f}x   layerwise/whole-block "
                         f"{warm_layerwise / warm_whole:5.2f}x",
                         flush=True,
@@ -194,11 +182,11 @@ def main() -> int:
         )
         for prefetch, backlog, storing, warm in rows:
             print(
-                f"  {prefetch:8d} {backlog:7d} | {_ms(_ttft(storing))} "
-                f"{_ms(_tail(storing, 'backlog_wait_s'))}    {_ms(_tail(storing, 'finish_wait_s'))}"
-                f"  {_ms(_tail(storing, 'exposed_tail_s'))} | {_ms(_ttft(warm))} "
-                f"{_ms(_tail(warm, 'load_wait_s'))}    {_ms(_tail(warm, 'finish_wait_s'))}"
-                f"  {_ms(_tail(warm, 'exposed_tail_s'))}"
+                f"  {prefetch:8d} {backlog:7d} | {ms(ttft(storing))} "
+                f"{ms(_tail(storing, 'backlog_wait_s'))}    {ms(_tail(storing, 'finish_wait_s'))}"
+                f"  {ms(_tail(storing, 'exposed_tail_s'))} | {ms(ttft(warm))} "
+                f"{ms(_tail(warm, 'load_wait_s'))}    {ms(_tail(warm, 'finish_wait_s'))}"
+                f"  {ms(_tail(warm, 'exposed_tail_s'))}"
             )
         print(load.report())
     return 0

@@ -35,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
-from bench_vllm import BLOCK, CHUNK, _ms, _ttft
+from bench_vllm import BLOCK, CHUNK
+from figures import ms, ttft
 from vllm_instance import (
     InstanceSpec,
     PromptResult,
@@ -117,7 +118,7 @@ def main() -> int:
                 runner = Runner(args, model, root)
                 runner.env["MOONCAKE_CONFIG_PATH"] = str(config_path)
                 cold = runner.run("cold", None, runner.prompts)
-                print(f"  {name:<8} {'(none: cold)':<28} {'':>7} {_ms(_ttft(cold))} ms", flush=True)
+                print(f"  {name:<8} {'(none: cold)':<28} {'':>7} {ms(ttft(cold))} ms", flush=True)
                 for connector in CONNECTORS:
                     label = connector.split()[0].lower()
                     # lookups off: every request computed from scratch, and stored
@@ -125,8 +126,8 @@ def main() -> int:
                     warm = runner.run(f"{label}-reader", connector, runner.prompts)
                     gap = max(logprob_gap(w, c) for w, c in zip(warm, writer, strict=True))
                     print(
-                        f"  {name:<8} {connector:<28} {_ttft(writer) / _ttft(cold):6.2f}x"
-                        f" {_ms(_ttft(warm))} ms {_ttft(cold) / _ttft(warm):8.2f}x"
+                        f"  {name:<8} {connector:<28} {ttft(writer) / ttft(cold):6.2f}x"
+                        f" {ms(ttft(warm))} ms {ttft(cold) / ttft(warm):8.2f}x"
                         f"  {gap:17.3g}  {[p.external_hit_tokens for p in warm]}",
                         flush=True,
                     )
