@@ -390,6 +390,35 @@ def test_a_staged_fetch_that_raises_fails_every_block_and_copies_nothing() -> No
     assert_clean(store, outstanding)
 
 
+class CrashingSessionStore(MemoryStore):
+    """Get sessions pin every key, then raise (not a store error): which keys stayed
+    pinned is unknown to the caller."""
+
+    def get_session_start(self, keys: Sequence[str]) -> list[Status]:
+        super().get_session_start(keys)
+        raise RuntimeError("client crashed starting a get session")
+
+
+def test_a_get_session_start_that_raises_releases_its_pins_and_fails_every_block() -> None:
+    store = CrashingSessionStore()
+    source, saves = filled_caches_and_saves(seed=20)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    target = Caches(num_blocks=8, seed=21)
+    with engine_for(store, target, "layer") as reader:
+        step = reader.begin_layerwise(loads=saves)
+        with pytest.raises(RuntimeError, match="crashed starting"):
+            step.wait_layer_loaded(0)
+        with pytest.raises(RuntimeError, match="crashed starting"):
+            step.finish()
+        assert step._load_outcome.failed_blocks() == {
+            group: set(blocks) for group, blocks in BLOCKS.items()
+        }
+        outstanding = reader.outstanding("load")
+    assert not any(array.any() for array in target.arrays.values())
+    assert_clean(store, outstanding)
+
+
 def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
     start_mooncake_master: StartMaster,
 ) -> None:

@@ -789,9 +789,15 @@ class RangedReads(Reads):
             return
         try:
             statuses = self.store.get_session_start(keys)
-        except StoreError as exc:
+        except StoreError as exc:  # raised before any key was pinned
             log.warning("get_session_start of %d keys failed: %s", len(keys), exc)
             statuses = [Status.OTHER] * len(keys)
+        except BaseException:
+            # Any other error may come after some keys were pinned: `end` releases them
+            # all rather than leave them leased until the master's lease expires.
+            self._pinned = keys
+            self.fail_all(self.batches.values())
+            raise
         _log_failures("get_session_start", statuses)
         self._pinned = [key for key, status in zip(keys, statuses, strict=True) if status.ok]
         pinned = set(self._pinned)
