@@ -24,23 +24,29 @@ TABLES = ([1, 2, 3, 4], [0, 0, 77, 78])
 
 
 def _kv_cache_config(
-    vllm_specs: Any, hash_unit: int, checkpoint_blocks: int = 1, conv: bool = False
+    vllm_specs: Any,
+    hash_unit: int,
+    checkpoint_blocks: int = 1,
+    conv: bool = False,
+    block_size: int = 64,
+    alignment: int | None = None,
 ) -> Any:
     """Attention and a Mamba2-like mixer; with `conv`, a third group of a Mamba-type layer
-    without checkpoints (a short conv)."""
+    without checkpoints (a short conv). Hits align to `alignment` tokens (the hash unit
+    unless given)."""
     mixer = mamba(
         vllm_specs,
-        block_size=64,
+        block_size=block_size,
         num_prefill_checkpoint_blocks=checkpoint_blocks,
         prefill_checkpoint_alignment=1,
     )
-    kinds = [(["attn"], attention(vllm_specs, block_size=64)), (["mixer"], mixer)]
+    kinds = [(["attn"], attention(vllm_specs, block_size=block_size)), (["mixer"], mixer)]
     if conv:
-        kinds.append((["conv"], mamba(vllm_specs, block_size=64)))
+        kinds.append((["conv"], mamba(vllm_specs, block_size=block_size)))
     return SimpleNamespace(
         kv_cache_groups=groups(vllm_specs, *kinds),
         hash_block_size=hash_unit,
-        cache_hit_alignment_tokens=hash_unit,
+        cache_hit_alignment_tokens=alignment or hash_unit,
     )
 
 
@@ -52,11 +58,15 @@ def _side(
     pool: set[str] | None = None,
     conv: bool = False,
     config: ConnectorConfig | None = None,
+    block_size: int = 64,
+    alignment: int | None = None,
 ) -> SchedulerSide:
     """The connector's scheduler side for attention beside a Mamba2-like layer (and a
     short conv with `conv`); with a `pool` (the keys it holds), prompt tails at multiples
     of the hash unit."""
-    kv_cache_config = _kv_cache_config(vllm_specs, hash_unit, checkpoint_blocks, conv)
+    kv_cache_config = _kv_cache_config(
+        vllm_specs, hash_unit, checkpoint_blocks, conv, block_size, alignment
+    )
     vllm_groups = kv_cache_config.kv_cache_groups
     plan = plan_groups(vllm_groups, list(range(len(vllm_groups))), ModelShape(1, 2))
     speculative = SimpleNamespace(use_eagle_block_drop=lambda: eagle) if eagle else None
@@ -270,6 +280,29 @@ def test_a_decode_step_with_draft_tokens_crossing_a_block_end_saves_the_state(
         output = scheduler_output(cached=[("r", computed, scheduled)], tables={"r": tables})
     saved += [(ref.group, ref.index) for t in side.build_meta(output).requests for ref in t.saves]
     assert saved == [(0, 0), (1, 0)]
+
+
+def test_a_checkpoint_at_the_resumed_block_s_end_in_a_later_column_is_saved_as_it(
+    vllm_specs: Any,
+) -> None:
+    """Blocks of 96 tokens, hits aligned to 64, EAGLE: a chunk resuming at vLLM's own hit
+    of 128 (inside block 1) and running to 300 writes its checkpoint, the state after 192
+    tokens (block 1's end: a unit before the last multiple of 64), into column 2.
+    Column 1 keeps the state after 128 and is never saved as block 1; column 2 is, as the
+    checkpoint at a block end always is."""
+    side = _side(vllm_specs, 16, eagle=True, block_size=96, alignment=64)
+    long = request("long", list(range(1000, 1300)))
+    assert side.num_new_matched_tokens(long, 128) == (0, False)
+    tables = ([11, 12, 13, 14], [0, 88, 89, 90])
+    side.after_alloc(long, tables, 0)
+    output = scheduler_output(new=[("long", tables, 128, 300 - 128)], tables={"long": tables})
+    (transfers,) = side.build_meta(output).requests
+    assert [(ref.index, ref.block_id) for ref in transfers.saves if ref.group == 1] == [(1, 89)]
+    # A later rescan (a failed load moving the scan back) saves neither column as its block.
+    side.loads_failed([], [], [("long", 1, 1), ("long", 1, 2)])
+    long.all_token_ids = [*long.all_token_ids, 5]
+    meta = side.build_meta(scheduler_output(cached=[("long", 300, 1)], tables={"long": tables}))
+    assert [ref for t in meta.requests for ref in t.saves if ref.group == 1] == []
 
 
 @given(

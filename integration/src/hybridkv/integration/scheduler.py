@@ -478,13 +478,14 @@ class SchedulerSide:
             for block in range(first, min(complete, len(ids))):
                 source = sources.get(block, block)
                 # Null: a window or a state vLLM already dropped; it is never coming back.
-                # Inner: a state that is not the one at the block's end.
+                # Inner: a state that is not the one at the block's end (unless this
+                # step's checkpoint put that one in another block).
                 if (
                     block < len(mask)
                     and mask[block]
                     and source < len(ids)
                     and ids[source] != NULL_BLOCK_ID
-                    and (group, block) not in tracked.inner
+                    and (source != block or (group, block) not in tracked.inner)
                 ):
                     stored = None
                     if self._events is not None:
