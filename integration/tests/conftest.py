@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,18 +15,20 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
 
-def _require(module: str) -> None:
+def require(module: str) -> ModuleType:
+    """`module`, imported; without it the test (or the test module) is skipped, or fails
+    under HYBRIDKV_REQUIRE_REAL=1 (CI: nothing that needs vLLM may skip there)."""
     try:
-        __import__(module)
+        return importlib.import_module(module)
     except ImportError as exc:
         if real_required():
             raise
-        pytest.skip(f"{module} is not installed: {exc}")
+        pytest.skip(f"{module} is not installed: {exc}", allow_module_level=True)
 
 
 @pytest.fixture
 def vllm_specs() -> Any:
-    _require("vllm")
+    require("vllm")
     from vllm.v1 import kv_cache_interface
 
     return kv_cache_interface

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import require
 from fakes import FAKES_DIR, ascend_runtime, real_package_present
 from fakes.ascend_runtime import AttentionLayer, FakeAttnMetadata
 from fakes.npu import FakeNpuDevice, npu_namespace, torch_npu_module
@@ -30,8 +31,8 @@ from hybridkv.transport import CpuEvent, Event, LayerwiseStep, MemoryStore, make
 
 # vLLM (and through it transformers) probes for torch_npu on import; import the layer
 # classes the plan uses before a test puts the fake torch_npu into sys.modules.
-pytest.importorskip("vllm.model_executor.layers.mamba.abstract")
-pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
+require("vllm.model_executor.layers.mamba.abstract")
+require("vllm.model_executor.layers.attention.mla_attention")
 
 if real_package_present("vllm_ascend") or real_package_present("torch_npu"):
     pytest.skip(

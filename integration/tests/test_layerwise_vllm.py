@@ -6,14 +6,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from conftest import require
 from layerwise_rig import ATTENTION, MIXER, ClientFailsReads, Rig, wait_until
 
 from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
 from hybridkv.integration.strategy import StateCopyJob
 from hybridkv.transport import BlockTransfer, Status
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
+torch = require("torch")
+require("vllm")
 from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention  # noqa: E402
 from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: E402

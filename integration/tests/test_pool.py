@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import _require
+from conftest import require
 
 from hybridkv.integration import pool as pool_module
 from hybridkv.integration.config import ConnectorConfig
@@ -53,7 +53,7 @@ def _open_all(group: ThreadGroup) -> list[Pool | BaseException]:
 
 @pytest.fixture(autouse=True)
 def _embedded(monkeypatch: pytest.MonkeyPatch) -> None:
-    _require("mooncake.store")
+    require("mooncake.store")
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
 
 

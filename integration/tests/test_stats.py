@@ -6,7 +6,7 @@ import functools
 import re
 from types import SimpleNamespace
 
-import pytest
+from conftest import require
 
 from hybridkv.integration.stats import (
     FIELDS,
@@ -16,7 +16,7 @@ from hybridkv.integration.stats import (
     prometheus_name,
 )
 
-prometheus_client = pytest.importorskip("prometheus_client")
+prometheus_client = require("prometheus_client")
 
 
 def test_every_field_has_a_counter_with_a_valid_name_and_help() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import _require, attention, mamba
+from conftest import attention, mamba, require
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +48,7 @@ def layouts(draw: st.DrawFn) -> Layout:
 
 @pytest.fixture(scope="module")
 def vllm_core() -> Any:
-    _require("vllm")
+    require("vllm")
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_coordinator, kv_cache_utils
 

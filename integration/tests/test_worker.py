@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import attention, groups, mamba
+from conftest import attention, groups, mamba, require
 
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
@@ -34,7 +34,7 @@ from hybridkv.transport import (
     TransferResult,
 )
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 NUM_BLOCKS = 8
 
 
