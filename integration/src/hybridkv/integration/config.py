@@ -28,7 +28,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """The keys of `kv_connector_extra_config`, with their defaults.
 
     vllm-ascend `AscendStoreConnector` keys keep their meaning, so switching connectors
-    means changing only the connector name (see the README for the few that are no-ops).
+    means changing only the connector name (docs/configuration.md names the few that are no-ops).
     """
 
     use_layerwise: bool = False
