@@ -417,7 +417,7 @@ class LayerwiseStep:
         self._result: TransferResult | None = None
         engine._tracker.begin("load", _requests(loads))
         if self._reads.batches:
-            self._jobs.append(engine._receiver.submit(self._reads.start))
+            self._jobs.append(engine._receiver.submit(self._reads.begin))
             self._schedule_reads(options.prefetch_layers + 1)
         self._jobs.append(engine._sender.submit(functools.partial(engine._prepare, self._writes)))
 
@@ -436,6 +436,8 @@ class LayerwiseStep:
         if needed:
             self._jobs[0].wait()  # the session start
             self._read_jobs[needed - 1].wait()  # FIFO: every earlier read is done too
+            for job in self._read_jobs[: needed - 1]:
+                job.wait()  # done: raises what it raised (a caller may skip layers)
         return self._load_outcome.failed_blocks()
 
     def save_layer(self, layer: int, event: Event) -> None:
@@ -552,7 +554,7 @@ class LayerwiseStep:
         layers = self._reads.layers
         while len(self._read_jobs) < min(count, len(layers)):
             layer = layers[len(self._read_jobs)]
-            job = self._engine._receiver.submit(functools.partial(self._reads.read_layer, layer))
+            job = self._engine._receiver.submit(functools.partial(self._reads.read, layer))
             self._read_jobs.append(job)
             self._jobs.append(job)
 

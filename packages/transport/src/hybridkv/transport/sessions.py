@@ -734,11 +734,29 @@ class Reads(Transfers, ABC):
     def read_all(self) -> None:
         """Non-layerwise load: every layer now."""
         try:
-            self.start()
+            self.begin()
             for layer in self.layers:
-                self.read_layer(layer)
+                self.read(layer)
         finally:
             self.end()
+
+    def begin(self) -> None:
+        """`start`, failing every block if it raises."""
+        self._failing_all_on_error(self.start)
+
+    def read(self, layer: int) -> None:
+        """`read_layer`, failing every block if it raises."""
+        self._failing_all_on_error(functools.partial(self.read_layer, layer))
+
+    def _failing_all_on_error(self, work: Callable[[], None]) -> None:
+        # An exception that is not a store status (a client error) leaves unknown which
+        # blocks were written, and whoever waits on a later layer may never see it: every
+        # block fails, so that none is used.
+        try:
+            work()
+        except BaseException:
+            self.fail_all(self.batches.values())
+            raise
 
     def caches_writable(self) -> None:
         ready = self.ready
@@ -796,7 +814,6 @@ class RangedReads(Reads):
             # Any other error may come after some keys were pinned: `end` releases them
             # all rather than leave them leased until the master's lease expires.
             self._pinned = keys
-            self.fail_all(self.batches.values())
             raise
         _log_failures("get_session_start", statuses)
         self._pinned = [key for key, status in zip(keys, statuses, strict=True) if status.ok]
@@ -982,15 +999,8 @@ class LayerwiseStagedReads(StagedReads):
         return {layer for batch in self.batches.values() for layer in batch.layout.layers}
 
     def start(self) -> None:
-        """Fetch in the background; if starting raises, every block fails: no fetch fills
-        the slabs, and later layers must not scatter them into the caches."""
-        try:
-            self._start()
-        except BaseException:
-            self.fail_all(self.batches.values())
-            raise
-
-    def _start(self) -> None:
+        """Fetch in the background (if this raises, every block fails: no fetch fills the
+        slabs, and later layers must not scatter them into the caches)."""
         assert self.pool is not None
         self.stage()
         if not all(batch.fully_staged() for batch in self.batches.values()):
