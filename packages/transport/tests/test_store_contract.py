@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -11,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
+from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.store import Store
+from hybridkv.transport.testing import mooncake_config
 
 OK = Status.OK
 
@@ -291,6 +295,54 @@ def test_ranged_calls_need_a_session_and_in_bounds_ranges(store: Store) -> None:
     store.get_session_end([key])
     assert np.array_equal(out[:96], data[:96])
     assert store.get_ranges([key], [[out.ctypes.data]], [[16]], [[0]]) == [Status.INVALID]
+
+
+LEASE_S = 0.3
+
+
+@pytest.fixture(params=["memory", "mooncake"])
+def short_lease_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A store of the test's own whose reads lease objects for LEASE_S seconds."""
+    if request.param == "memory":
+        memory = MemoryStore(lease_ttl_s=LEASE_S)
+        yield memory
+        memory.close()
+        return
+    master = request.getfixturevalue("start_mooncake_master")(lease_ttl_ms=int(LEASE_S * 1e3))
+    request.getfixturevalue("start_segment_holder")(master.address)
+    mooncake = MooncakeStore.connect(mooncake_config(master.address))
+    yield mooncake
+    mooncake.close()
+
+
+def test_a_get_session_reads_while_its_lease_lasts_and_its_object_stays(
+    short_lease_store: Store,
+) -> None:
+    """A pinned object's ranges come from the replica the pin found: once the lease the pin
+    took has expired they fail (TRANSFER_FAILED) until pinned again, and once the object
+    is removed they fail (Mooncake answers TRANSFER_FAILED or INVALID)."""
+    store, key, data = short_lease_store, fresh_key("lease"), pattern(4096, 11)
+    out = np.zeros(4096, dtype=np.uint8)
+
+    def read() -> Status:
+        out[:] = 0
+        [status] = store.get_ranges([key], [[out.ctypes.data]], [[4096]], [[0]])
+        return status
+
+    assert put_whole(store, key, data) is OK
+    assert store.get_session_start([key]) == [OK]
+    assert read() is OK
+    assert np.array_equal(out, data)
+    time.sleep(3 * LEASE_S)
+    assert read() is Status.TRANSFER_FAILED
+    store.get_session_end([key])
+    assert store.get_session_start([key]) == [OK]
+    assert read() is OK
+    assert np.array_equal(out, data)
+    time.sleep(3 * LEASE_S)  # unleased: removable without force
+    assert store.batch_remove([key]) == [OK]
+    assert not read().ok
+    store.get_session_end([key])
 
 
 def test_malformed_batches_are_refused_before_any_io(store: Store) -> None:

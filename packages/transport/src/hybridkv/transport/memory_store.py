@@ -282,9 +282,7 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        return self._ranges(
-            "get_ranges", self._get_sessions.get, _copy_out, keys, ptrs, sizes, offsets
-        )
+        return self._ranges("get_ranges", self._pinned, _copy_out, keys, ptrs, sizes, offsets)
 
     def get_session_end(self, keys: Sequence[str]) -> None:
         with self._pool.lock:
@@ -349,7 +347,7 @@ class MemoryStore:
     def _ranges(
         self,
         operation: str,
-        session: Callable[[str], _Object | None],
+        session: Callable[[str], _Object | Status | None],
         copy: Callable[[_Object, Pointers, Sizes, Offsets], None],
         keys: Sequence[str],
         ptrs: Sequence[Pointers],
@@ -361,6 +359,8 @@ class MemoryStore:
 
         def move(index: int, key: str) -> Status:
             obj = session(key)
+            if isinstance(obj, Status):
+                return obj
             if obj is None or not obj.ranges_fit(sizes[index], offsets[index]):
                 return Status.INVALID
             copy(obj, ptrs[index], sizes[index], offsets[index])
@@ -382,6 +382,16 @@ class MemoryStore:
         return self._each_key(operation, keys, end)
 
     # -- internals (called with the lock held) ----------------------------------------
+
+    def _pinned(self, key: str) -> _Object | Status | None:
+        """The object a get session pinned, as Mooncake serves it: gone once removed, and
+        unreadable once the lease the pin took has expired (until pinned again)."""
+        obj = self._get_sessions.get(key)
+        if obj is not None and self._pool.committed.get(key) is not obj:
+            return Status.INVALID
+        if obj is not None and not obj.leased():
+            return Status.TRANSFER_FAILED
+        return obj
 
     def _check_open(self) -> None:
         if self._closed:
