@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from hybridkv.integration import scheduler
 from hybridkv.integration.config import ConnectorConfig
+from hybridkv.integration.connector import background_loads_reason
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
 from hybridkv.integration.scheduler import SchedulerSide
@@ -95,6 +96,39 @@ def test_hits_load_in_the_background_when_vllm_requires_it(vllm_specs: Any) -> N
     side = SchedulerSide(KeySpace(plan, "tiny"), config, pool.query, load_async_required=True)
     _store(side, pool, TOKENS, [0], 96)
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (96, True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "vllm_groups", "stages", "reason"),
+    [
+        ("full", 1, (), None),
+        ("full", 2, (), "2 KV cache groups"),
+        ("window", 1, (), "a sliding-window or state group"),
+        ("state", 1, (), "a sliding-window or state group"),
+        ("full", 1, ((0, 1), (1, 2)), "2 pipeline stages"),
+    ],
+)
+def test_loads_go_to_the_background_where_vllm_cannot_recompute_from_a_failed_block(
+    vllm_specs: Any,
+    kind: str,
+    vllm_groups: int,
+    stages: tuple[tuple[int, int], ...],
+    reason: str | None,
+) -> None:
+    """Only a single-group model of prefix KV (full attention, MLA) without stages may load
+    before the forward: vLLM recomputes such a failed load from the failed block on."""
+    spec = {
+        "full": attention(vllm_specs),
+        "window": attention(vllm_specs, window=64),
+        "state": mamba(vllm_specs),
+    }[kind]
+    plan = plan_groups(groups(vllm_specs, (["a"], spec)), [0], ModelShape(1, 2), pp_stages=stages)
+    found = background_loads_reason(vllm_groups, plan)
+    if reason is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert found.startswith(reason)
 
 
 def _block_keys(side: SchedulerSide, tokens: list[int], group: int, blocks: slice) -> list[str]:

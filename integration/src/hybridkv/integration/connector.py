@@ -177,6 +177,32 @@ def _preemptions_come_first(vllm_config: VllmConfig, device: str) -> bool:
     return not vllm_config.use_v2_model_runner and device in ("cpu", "cuda")
 
 
+def background_loads_reason(vllm_groups: int, plan: KVPlan) -> str | None:
+    """Why pool hits must load in the background (None: they may load before the forward).
+
+    A load before the forward that fails is reported by block ids; vLLM 0.32 then
+    recomputes from the first failed block on, over the blocks before it. A background
+    load that fails is reported by request, and vLLM recomputes it from its first token.
+    """
+    if vllm_groups > 1:
+        return (
+            f"{vllm_groups} KV cache groups: block ids repeat across them, and vLLM stops "
+            "the engine on failed block ids of such a model"
+        )
+    if any(group.kind.sparse for group in plan.groups):
+        return (
+            "a sliding-window or state group: recomputing from a failed block would start "
+            "over a window or state that the hit never loaded (it needs its own boundary's)"
+        )
+    if plan.pp_size > 1:
+        return (
+            f"{plan.pp_size} pipeline stages: a stage that computed over its own failed "
+            "load hands wrong hidden states to the next, and the stages cannot agree within "
+            "a step; vLLM learns of a failed background load before any stage computes"
+        )
+    return None
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Reuses KV that any instance stored in the Mooncake pool, for hybrid models too."""
 
@@ -223,27 +249,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 storing = {g.vllm_group_id: g.heads.storing * stages for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
-            # Block ids repeat across vLLM's KV cache groups: a failed load of a hybrid
-            # model must be reported by request, which vLLM 0.32 handles for background
-            # loads only (it stops the engine on failed block ids of a hybrid model).
-            hybrid = len(kv_cache_config.kv_cache_groups) > 1
-            if hybrid and not self.config.load_async:
+            background = background_loads_reason(len(kv_cache_config.kv_cache_groups), self.plan)
+            if background is not None and not self.config.load_async:
                 logger.info(
-                    "hybridkv: %d KV cache groups: pool hits load in the background "
-                    "(load_async), the only way vLLM recomputes a failed load of a hybrid "
-                    "model; saves are unaffected",
-                    len(kv_cache_config.kv_cache_groups),
-                )
-            # A stage that computed over its own failed load hands wrong hidden states to
-            # the next, which would save the KV it computes from them: the stages cannot
-            # agree within a step (the next one waits for this one's output), but vLLM
-            # learns of a failed background load before any stage computes over it.
-            staged = self.plan.pp_size > 1
-            if staged and not hybrid and not self.config.load_async:
-                logger.info(
-                    "hybridkv: %d pipeline stages: pool hits load in the background "
-                    "(load_async), so that no stage computes over another's failed load",
-                    self.plan.pp_size,
+                    "hybridkv: pool hits load in the background (load_async): %s.", background
                 )
             self._scheduler = SchedulerSide(
                 self.keys,
@@ -252,7 +261,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_role,
                 builder,
                 prompt_tail_unit(vllm_config, kv_cache_config),
-                load_async_required=hybrid or staged,
+                load_async_required=background is not None,
                 checkpoints=prefill_checkpoints(vllm_config, kv_cache_config, self.plan),
                 use_eagle=drops_eagle_block(vllm_config),
             )
