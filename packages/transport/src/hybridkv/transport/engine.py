@@ -435,9 +435,8 @@ class LayerwiseStep:
             self._schedule_reads(needed + self._engine.options.prefetch_layers)
         if needed:
             self._jobs[0].wait()  # the session start
-            self._read_jobs[needed - 1].wait()  # FIFO: every earlier read is done too
-            for job in self._read_jobs[: needed - 1]:
-                job.wait()  # done: raises what it raised (a caller may skip layers)
+            for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
+                job.wait()  # raises the first error
         return self._load_outcome.failed_blocks()
 
     def save_layer(self, layer: int, event: Event) -> None:

@@ -387,9 +387,11 @@ class MemoryStore:
         """The object a get session pinned, as Mooncake serves it: gone once removed, and
         unreadable once the lease the pin took has expired (until pinned again)."""
         obj = self._get_sessions.get(key)
-        if obj is not None and self._pool.committed.get(key) is not obj:
+        if obj is None:
+            return None
+        if self._pool.committed.get(key) is not obj:
             return Status.INVALID
-        if obj is not None and not obj.leased():
+        if not obj.leased():
             return Status.TRANSFER_FAILED
         return obj
 
