@@ -9,12 +9,24 @@ import sys
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hybridkv.keys import BlockHasher
 
 TOKENS = st.integers(0, 2**32 - 1)
+
+
+class _Position:
+    """Stands in for `st.data()` in an explicit example: draws a fixed position."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def draw(self, _strategy: object) -> int:
+        return self.position
+
+
 _SCALARS = st.integers() | st.text(max_size=4)
 EXTRAS = (
     st.none()
@@ -73,6 +85,55 @@ def test_matches_the_documented_chain(
             blocks.append((fed[start : start + block_size], extra))
     assert hasher.hashes == returned == reference_hashes(block_size, namespace, blocks)
     assert hasher.num_tokens == len(fed)
+
+
+@given(
+    st.integers(1, 8),
+    st.lists(TOKENS, max_size=60),
+    st.data(),
+    st.lists(TOKENS, max_size=30),
+    st.lists(st.integers(0, 60)),
+    EXTRAS,
+)
+@example(4, list(range(6)), _Position(5), [9, 9, 9], [], None)  # inside the pending block
+def test_rewinding_then_feeding_the_new_tokens_hashes_as_a_fresh_hasher(
+    block_size: int,
+    tokens: list[int],
+    data: st.DataObject | _Position,
+    replacement: list[int],
+    cuts: list[int],
+    extra: object,
+) -> None:
+    # Mostly inside what was fed, where rewinding has something to forget.
+    position = data.draw(st.integers(0, len(tokens) + 2))
+    hasher = BlockHasher(block_size, "ns")
+    edges = [0, *sorted(min(cut, len(tokens)) for cut in cuts), len(tokens)]
+    for start, end in itertools.pairwise(edges):  # a partial block may be pending anywhere
+        hasher.extend(tokens[start:end], extra=extra)
+    changed = tokens[:position] + replacement
+    hasher.rewind(position)
+    assert hasher.num_tokens <= min(position, len(tokens))
+    assert hasher.num_tokens >= min(position, len(tokens)) // block_size * block_size
+    hasher.extend(changed[hasher.num_tokens :], extra=extra)
+    fresh = BlockHasher(block_size, "ns")
+    fresh.extend(changed, extra=extra)
+    assert hasher.hashes == fresh.hashes
+    assert hasher.num_tokens == fresh.num_tokens == len(changed)
+    if len(changed) % block_size:
+        partial = len(changed)
+        assert hasher.partial_hash(partial, changed, extra) == fresh.partial_hash(
+            partial, changed, extra
+        )
+
+
+@pytest.mark.parametrize("tokens", [-1, True, 1.0])
+def test_rewind_refuses_a_position_that_is_not_a_count(tokens: object) -> None:
+    hasher = BlockHasher(4, "ns")
+    hasher.extend(range(10))
+    with pytest.raises((TypeError, ValueError), match="tokens must"):
+        hasher.rewind(tokens)  # type: ignore[arg-type]
+    assert hasher.num_tokens == 10
+    assert len(hasher.hashes) == 2
 
 
 @given(st.integers(1, 8), st.lists(TOKENS, max_size=60), st.lists(st.integers(0, 60)), EXTRAS)

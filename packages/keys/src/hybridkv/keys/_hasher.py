@@ -132,6 +132,29 @@ class BlockHasher:
         self._num_tokens += len(tokens) // _TOKEN_BYTES
         return completed
 
+    def rewind(self, tokens: int) -> None:
+        """Forgets the tokens fed from position ``tokens`` on, and every block reaching them.
+
+        For tokens that changed after they were fed (a streaming session drops the token it
+        sampled last, then appends the next input). A partly forgotten block cannot be
+        rebuilt from its hash, so afterwards ``num_tokens`` (at most ``tokens``) says where
+        to feed from again.
+        """
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise TypeError(f"tokens must be an int, got {type(tokens).__name__}")
+        if tokens < 0:
+            raise ValueError(f"tokens must not be negative, got {tokens}")
+        if tokens >= self._num_tokens:
+            return
+        blocks = tokens // self._block_size
+        if blocks < len(self._hashes):
+            del self._hashes[blocks:]
+            self._pending = b""
+            self._num_tokens = blocks * self._block_size
+        else:
+            self._pending = self._pending[: (tokens - blocks * self._block_size) * _TOKEN_BYTES]
+            self._num_tokens = tokens
+
     def boundary_hash(self, tokens: int) -> bytes:
         """The chain hash at ``tokens``, a positive multiple of block_size already hashed."""
         blocks = self._blocks_in("tokens", tokens)
