@@ -65,6 +65,7 @@ def request(request_id: str, tokens: list[int], **extra: Any) -> SimpleNamespace
         request_id=request_id,
         num_tokens=len(tokens),
         num_prompt_tokens=len(tokens),
+        num_computed_tokens=0,
         all_token_ids=tokens,
         prompt_embeds=None,
         lora_request=None,

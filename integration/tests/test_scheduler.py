@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 from conftest import Clock, attention, groups, mamba, request, scheduler_output
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.integration import scheduler
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.connector import background_loads_reason
 from hybridkv.integration.groups import ModelShape, plan_groups
-from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
+from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.scheduler import SchedulerSide
 
 TOKENS = list(range(100, 100 + 200))  # 6 full blocks of 32, plus 8 tokens
@@ -52,7 +52,7 @@ def _store(
     """Put every group's blocks of the first `upto` tokens for `heads` (as `writer`, a
     request, computed them: its LoRA, salt...), under `keys` (default: the side's)."""
     keys = side.keys if keys is None else keys
-    hashes = RequestHashes(side.plan, "", None if writer is None else request_extra(writer))
+    hashes = RequestHashes(side.plan, "", writer)
     hashes.cover(tokens, upto)
     for group, plan in enumerate(side.plan.groups):
         blocks = hashes.for_group(plan.block_size)[: upto // plan.block_size]
@@ -276,6 +276,101 @@ def test_salt_and_lora_change_the_keys(vllm_specs: Any) -> None:
     assert side.num_new_matched_tokens(request("c", TOKENS, lora_request=moved), 0) == (0, False)
 
 
+def _image(identifier: str, offset: int, length: int) -> SimpleNamespace:
+    """A multimodal input as vLLM's `MultiModalFeatureSpec` gives it."""
+    return SimpleNamespace(
+        identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length)
+    )
+
+
+def test_an_image_changes_the_keys_of_the_blocks_it_overlaps_and_later_ones(
+    vllm_specs: Any,
+) -> None:
+    """As in vLLM's prefix cache: the blocks before an image are shared across images."""
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    cat = request("w", TOKENS, mm_features=[_image("cat", 70, 30)])  # tokens 70-99: blocks 2-3
+    _store(side, pool, TOKENS, [0], 192, writer=cat)
+    dog = request("a", TOKENS, mm_features=[_image("dog", 70, 30)])
+    assert side.num_new_matched_tokens(dog, 0) == (64, False)
+    moved = request("b", TOKENS, mm_features=[_image("cat", 71, 29)])  # same image, moved
+    assert side.num_new_matched_tokens(moved, 0) == (64, False)
+    assert side.num_new_matched_tokens(request("c", TOKENS), 0) == (64, False)
+    again = request("d", TOKENS, mm_features=[_image("cat", 70, 30)])
+    assert side.num_new_matched_tokens(again, 0) == (192, False)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.integers(0, 99), min_size=1, max_size=150),
+    st.lists(st.tuples(st.sampled_from("ab"), st.integers(0, 140), st.integers(1, 40))),
+    st.lists(st.integers(0, 150)),
+)
+@example(list(range(64)), [("a", 3, 2)], [10])  # the block's image came with an earlier call
+def test_hashes_with_images_do_not_depend_on_how_the_tokens_arrive(
+    vllm_specs: Any, tokens: list[int], images: list[tuple[str, int, int]], cuts: list[int]
+) -> None:
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    r = request("r", tokens, mm_features=[_image(*image) for image in images])
+    whole = RequestHashes(side.plan, "", r)
+    whole.cover(tokens, len(tokens))
+    pieces = RequestHashes(side.plan, "", r)
+    for cut in sorted(cuts):
+        pieces.cover(tokens, cut)
+    pieces.cover(tokens, len(tokens))
+    assert pieces.for_group(32) == whole.for_group(32)
+    # A block overlapping no image hashes as without images, given the same chain.
+    plain = RequestHashes(side.plan, "", None)
+    plain.cover(tokens, len(tokens))
+    first = min((offset // 32 for _, offset, _ in images), default=len(tokens))
+    assert whole.for_group(32)[:first] == plain.for_group(32)[:first]
+
+
+@pytest.mark.parametrize("rewound", [True, False])
+def test_a_streaming_session_names_its_next_chunk_as_a_whole_request_would(
+    vllm_specs: Any, rewound: bool
+) -> None:
+    """A streaming-input session keeps its KV between chunks; for the next one vLLM drops
+    the token it sampled last and appends the chunk's tokens and images. With async
+    scheduling, the step computing that token may have run (and completed a block) before
+    the stop was seen: that block holds the dropped token, and is computed again."""
+    side, _ = _side(
+        vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), save_decode_cache=True
+    )
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    r = request("r", TOKENS[:60])
+    side.after_alloc(r, table, 0)
+    side.build_meta(scheduler_output(new=[("r", table, 0, 60)], tables={"r": table}))
+    r.all_token_ids = [*TOKENS[:60], 7, 8, 9, 10]  # the last one sampled before the stop
+    r.num_tokens = 64
+    meta = side.build_meta(scheduler_output(cached=[("r", 60, 4)], tables={"r": table}))
+    dropped = meta.requests[0].saves
+    assert [ref.index for ref in dropped] == [1]
+    # The next turn resumes at the safe frontier, 63 (or, had the step not run, at 64 with
+    # the token kept), and appends an image's chunk.
+    frontier = 63 if rewound else 64
+    del r.all_token_ids[frontier:]
+    r.all_token_ids += TOKENS[100:160]
+    r.num_prompt_tokens = r.num_tokens = len(r.all_token_ids)
+    r.mm_features = [_image("cat", frontier + 2, 24)]
+    r.num_computed_tokens = frontier
+    side.after_alloc(r, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("r", table, frontier, 60)], tables={"r": table}))
+    whole = RequestHashes(side.plan, "", r)
+    whole.cover(r.all_token_ids, len(r.all_token_ids) // 32 * 32)
+    saved = [(ref.index, ref.block_hash) for ref in meta.requests[0].saves]
+    if rewound:  # block 1 again, now holding the chunk's first token
+        assert saved[0] == (1, whole.for_group(32)[1]) != (1, dropped[0].block_hash)
+        saved = saved[1:]
+    else:
+        assert dropped[0].block_hash == whole.for_group(32)[1]
+    assert saved == [(2, whole.for_group(32)[2])]
+    tokens_only = RequestHashes(side.plan, "", None)
+    tokens_only.cover(r.all_token_ids, 96)
+    assert tokens_only.for_group(32)[2] != whole.for_group(32)[2]  # the image counts
+
+
 def test_a_reset_moves_every_key_to_a_new_generation(vllm_specs: Any) -> None:
     side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     _store(side, pool, TOKENS, [0], 192)
@@ -323,6 +418,48 @@ def test_kv_from_before_a_reset_is_not_saved_under_the_new_generation(vllm_specs
         ("preempted", [0, 1, 2])
     ]
     assert meta.generation == 1
+
+
+@pytest.mark.parametrize(
+    ("resets", "admitted", "first_saved"),
+    [
+        (0, 64, 0),  # before any reset, vLLM's own hit refills the pool
+        (1, 64, 2),
+        (1, 32, 1),  # vLLM cut its hit after the lookup: the block it cut is computed
+        (1, 70, 3),  # a local hit ending inside a block: that block mixes old and new KV
+    ],
+)
+def test_after_a_reset_vllms_own_hit_is_not_saved(
+    vllm_specs: Any, resets: int, admitted: int, first_saved: int
+) -> None:
+    """vLLM keeps its prefix cache when its own reset is refused (requests running): a
+    local hit after the connector's reset may be KV from before it."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    for _ in range(resets):
+        side.reset()
+    r = request("r", TOKENS)
+    assert side.num_new_matched_tokens(r, 64) == (0, False)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(r, table, 0)
+    output = scheduler_output(new=[("r", table, admitted, 200 - admitted)], tables={"r": table})
+    meta = side.build_meta(output)
+    assert [ref.index for ref in meta.requests[0].saves] == list(range(first_saved, 6))
+
+
+def test_a_background_load_resumed_with_replay_saves_nothing_again(vllm_specs: Any) -> None:
+    """vLLM admits a finished background load at fewer tokens than it loaded when it
+    replays some (DeepSeek-V4.1): the loaded blocks are the pool's already."""
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    _store(side, pool, TOKENS, [0], 192)
+    r = request("r", TOKENS)
+    assert side.num_new_matched_tokens(r, 0) == (192, False)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(r, table, 192)
+    side.build_meta(scheduler_output())
+    r.num_computed_tokens = 128
+    side.after_alloc(r, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 128, 72)], tables={"r": table}))
+    assert meta.requests == []
 
 
 def _window_full_state(vllm_specs: Any) -> tuple[SchedulerSide, Pool]:
@@ -579,16 +716,20 @@ def _write_prompt(side: SchedulerSide, pool: Pool, tokens: list[int], chunks: li
     return saves
 
 
+@pytest.mark.parametrize("resets", [0, 1])
 def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit(
-    vllm_specs: Any,
+    vllm_specs: Any, resets: int
 ) -> None:
+    """(After a reset too: the block a tail hit ends in is the pool's, not vLLM's own.)"""
     side, pool = _tail_side(vllm_specs)
+    for _ in range(resets):
+        side.reset()
     prompt = TOKENS[:180]  # vLLM's tail: 179 // 8 * 8 = 176, inside block 5
     saves = _write_prompt(side, pool, prompt, [160, 176, 180])
     tails = [(ref.group, ref.index, ref.block_id, ref.tail) for ref in saves if ref.tail]
     assert tails == [(0, 5, 105, 176), (1, 5, 205, 176)]
     assert {ref.block_hash for ref in saves if ref.tail} == {
-        RequestHashes(side.plan, "", None).prefix(prompt, 176)
+        RequestHashes(side.plan, "", None, side.generation).prefix(prompt, 176)
     }
     # A longer prompt with the same start resumes after 176 tokens, not at block 5's start.
     reader = request("r", prompt + list(range(900, 920)))

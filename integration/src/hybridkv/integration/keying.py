@@ -8,6 +8,7 @@ even in the single-group key format, which has no layout field.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,46 +16,106 @@ from hybridkv.integration.groups import KVPlan
 from hybridkv.keys import BlockHasher, KeyRenderer
 
 
-def request_extra(request: Any) -> object:
-    """What besides the tokens makes this request's KV differ (LoRA, salt, multimodal).
+class RequestExtras:
+    """What besides the tokens makes a request's KV differ, per block.
 
-    Request-level, so it is passed with every `extend` call and hashes do not depend on how
-    tokens arrived. Multimodal inputs are folded into every block: conservative (blocks
-    before an image lose reuse across different images) but never wrong.
+    LoRA (name and path, as vLLM: a name may be pointed at another adapter) and cache salt
+    fold into every block; a multimodal input into the blocks it overlaps and, through the
+    chain, every later one, as in vLLM's prefix cache: blocks before an image are shared
+    across images. The inputs are read when a block is hashed, not once: a streaming-input
+    session adds those of each chunk it receives.
     """
-    extra: dict[str, object] = {}
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:  # the path too, as vLLM: a name may be pointed at another adapter
-        extra["lora"] = [lora.lora_name, lora.lora_path]
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        extra["salt"] = salt
-    features = getattr(request, "mm_features", None) or []
-    if features:
-        extra["mm"] = [
-            [str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)]
+
+    __slots__ = ("_base", "_request")
+
+    def __init__(self, request: Any) -> None:
+        base: dict[str, object] = {}
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            base["lora"] = [lora.lora_name, lora.lora_path]
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            base["salt"] = salt
+        self._base = base
+        self._request = request
+
+    @property
+    def has_media(self) -> bool:
+        """Whether extras differ between blocks (else `of` is the same everywhere)."""
+        return bool(getattr(self._request, "mm_features", None))
+
+    def _media(self) -> list[tuple[int, int, str]]:
+        """(start, stop, identifier) of each multimodal input, by start."""
+        features = getattr(self._request, "mm_features", None) or []
+        return sorted(
+            (
+                int(f.mm_position.offset),
+                int(f.mm_position.offset + f.mm_position.length),
+                str(f.identifier),
+            )
             for f in features
-        ]
-    return extra or None
+        )
+
+    def _extra(self, media: list[tuple[int, int, str]]) -> object:
+        if media:
+            return {
+                **self._base,
+                "mm": [[name, start, stop - start] for start, stop, name in media],
+            }
+        return self._base or None
+
+    def of(self, start: int, stop: int) -> object:
+        """The extra of the tokens in [start, stop): the request's, and the inputs there."""
+        return self._extra([m for m in self._media() if m[0] < stop and m[1] > start])
+
+    def of_blocks(self, first: int, stop: int, size: int) -> list[object]:
+        """`of` each `size`-token block from token `first` (a block start) up to `stop`:
+        one pass over the inputs, not one per block (long prompts carry many images)."""
+        media = self._media()
+        starts = [start for start, _, _ in media]
+        extras: list[object] = []
+        low = 0  # inputs before it end before the current block
+        for block in range(first, stop, size):
+            while low < len(media) and media[low][1] <= block:
+                low += 1
+            high = bisect.bisect_left(starts, block + size)
+            extras.append(self._extra([m for m in media[low:high] if m[1] > block]))
+        return extras
 
 
 class RequestHashes:
     """The growing list of block hashes of one request (at the plan's hash granularity)."""
 
-    __slots__ = ("_extra", "_hasher")
+    __slots__ = ("_extras", "_hasher")
 
-    def __init__(self, plan: KVPlan, namespace: str, extra: object, generation: int = 0) -> None:
+    def __init__(self, plan: KVPlan, namespace: str, request: Any, generation: int = 0) -> None:
+        """`request`: whose LoRA, salt and multimodal inputs the hashes fold in (None:
+        tokens only)."""
         # Each cache reset (a weight update) starts a generation whose hashes share nothing
         # with the previous ones; generation 0 hashes as before resets existed.
         scope = f"{namespace}\0{plan.digest}" + (f"\0reset {generation}" if generation else "")
         self._hasher = BlockHasher(plan.hash_block_size, scope)
-        self._extra = extra
+        self._extras = RequestExtras(request)
 
     def cover(self, token_ids: Sequence[int], num_tokens: int) -> None:
         """Hash the full blocks of the first `num_tokens` tokens (no-op if done already)."""
-        done = self._hasher.num_tokens
-        if num_tokens > done:
-            self._hasher.extend(token_ids[done:num_tokens], self._extra)
+        hasher = self._hasher
+        done = hasher.num_tokens
+        if num_tokens <= done:
+            return
+        if not self._extras.has_media:  # one extra for every block: one call
+            hasher.extend(token_ids[done:num_tokens], self._extras.of(done, num_tokens))
+            return
+        size = hasher.block_size
+        first = done // size * size
+        extras = self._extras.of_blocks(first, num_tokens, size)
+        # Each block with its own extra, given by the call that ends it.
+        for block, extra in zip(range(first, num_tokens, size), extras, strict=True):
+            hasher.extend(token_ids[max(block, done) : min(num_tokens, block + size)], extra)
+
+    def rewind(self, num_tokens: int) -> None:
+        """The tokens from `num_tokens` on changed: hash them again when covered."""
+        self._hasher.rewind(num_tokens)
 
     def for_group(self, block_size: int) -> list[bytes]:
         """One hash per full block of a group with `block_size`-token blocks."""
@@ -63,9 +124,11 @@ class RequestHashes:
     def prefix(self, token_ids: Sequence[int], num_tokens: int) -> bytes:
         """The hash naming exactly the first `num_tokens` tokens (a prompt tail's objects)."""
         self.cover(token_ids, num_tokens)
-        if num_tokens % self._hasher.block_size == 0:
+        size = self._hasher.block_size
+        if num_tokens % size == 0:
             return self._hasher.boundary_hash(num_tokens)
-        return self._hasher.partial_hash(num_tokens, token_ids, self._extra)
+        extra = self._extras.of(num_tokens // size * size, num_tokens)
+        return self._hasher.partial_hash(num_tokens, token_ids, extra)
 
 
 class KeySpace:

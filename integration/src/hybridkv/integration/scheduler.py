@@ -26,7 +26,7 @@ from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
 from hybridkv.integration.checkpoints import Checkpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
-from hybridkv.integration.keying import KeySpace, RequestHashes, request_extra
+from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
 from hybridkv.integration.quarantine import Quarantine
 
@@ -57,8 +57,12 @@ class _Tracked:
     mask_tokens: int
     # Per plan group: blocks below this index are decided (saved, loaded or skipped).
     scanned: list[int]
+    # The prompt's length when last seen: a streaming-input session's next chunk grows it.
+    prompt_tokens: int
     # Fallback block table when vLLM offers no current tables (append-only mirror).
     block_ids: list[list[int]] = field(default_factory=list)
+    # Looked up after a reset: what vLLM's own prefix cache gives it is not saved.
+    skip_local_hit: bool = False
     # (plan group, block index) of state blocks holding another state than their end's (a
     # Mamba checkpoint inside the block, or the state a chunk resumed from mid-block and
     # ran past): never saved, even when a failed load moves `scanned` back below them.
@@ -142,15 +146,17 @@ class SchedulerSide:
 
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
+        if tracked is not None and tracked.prompt_tokens != request.num_prompt_tokens:
+            self._next_chunk(tracked, request.num_computed_tokens)
+            tracked.prompt_tokens = request.num_prompt_tokens
         if tracked is None:
             tracked = _Tracked(
                 request=request,
-                hashes=RequestHashes(
-                    self.plan, self.config.namespace, request_extra(request), self.generation
-                ),
+                hashes=RequestHashes(self.plan, self.config.namespace, request, self.generation),
                 store_mask=self._store_mask(request.num_prompt_tokens),
                 mask_tokens=request.num_prompt_tokens,
                 scanned=[0] * len(self.plan.groups),
+                prompt_tokens=request.num_prompt_tokens,
             )
             self._tracked[request.request_id] = tracked
         return tracked
@@ -165,6 +171,8 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
         self._stale.discard(request.request_id)  # vLLM computes it afresh
+        if self.generation and _has_token_ids(request):
+            self._track(request).skip_local_hit = True
         if not self._loads or not _has_token_ids(request):
             return 0, False  # a consumer told not to load, or no token ids to hash
         # vLLM computes at least the last token, but matches EAGLE's dropped block among
@@ -190,6 +198,18 @@ class SchedulerSide:
         tail_tokens = hit.tokens - max(aligned.tokens, num_computed)
         self._pending[request.request_id] = _PendingLoad(num_computed, hit, tail_tokens)
         return hit.tokens - num_computed, self._load_async
+
+    def _skip_local_hit(self, tracked: _Tracked, computed: int) -> None:
+        """After a reset, the blocks of vLLM's own prefix-cache hit may hold KV from before
+        it (vLLM keeps its prefix cache when its own reset is refused for running
+        requests): they are never saved under the new generation's keys, nor is a block
+        it ends in. (Before any reset they are, which refills a pool that dropped them.)
+        `computed`: the tokens vLLM admitted the request with, its final local hit (which
+        it may have cut after the lookup) and the pool's."""
+        tracked.skip_local_hit = False
+        for group, plan in enumerate(self.plan.groups):
+            reached = -(-computed // plan.block_size)
+            tracked.scanned[group] = max(tracked.scanned[group], reached)
 
     def _readable(self, tracked: _Tracked, mask: Masks, local: int) -> Masks | None:
         """Readability of the masked blocks; blocks vLLM already holds count as readable."""
@@ -290,6 +310,7 @@ class SchedulerSide:
         if pending is None or external == 0:
             return
         allocated = self._allocated_hit(request.request_id, pending, external)
+        tracked.skip_local_hit = False  # vLLM's own hit lies below the pool's: decided here
         loads: list[BlockRef] = []
         hit = allocated.tokens
         tail_hash = b""  # the prefix's own hash, for the partial blocks of a prompt tail
@@ -316,6 +337,15 @@ class SchedulerSide:
         self._ready[request.request_id] = RequestTransfers(
             request_id=request.request_id, loads=loads, load_async=self._load_async
         )
+
+    def _next_chunk(self, tracked: _Tracked, computed: int) -> None:
+        """A streaming-input session's next chunk: vLLM kept the KV of the first
+        `computed` tokens and replaced the tokens past them (it drops the token sampled
+        last) with the chunk's. Their hashes, and the saves of the blocks reaching them,
+        are decided again as they are computed."""
+        tracked.hashes.rewind(computed)
+        for group, plan in enumerate(self.plan.groups):
+            tracked.scanned[group] = min(tracked.scanned[group], computed // plan.block_size)
 
     def _allocated_hit(self, request_id: str, pending: _PendingLoad, external: int) -> Hit:
         """The hit vLLM allocated: the one looked up, or one it cut shorter.
@@ -360,6 +390,8 @@ class SchedulerSide:
             if tracked is not None:
                 start = new.num_computed_tokens
                 done = start + output.num_scheduled_tokens[new.req_id]
+                if tracked.skip_local_hit:
+                    self._skip_local_hit(tracked, start)
                 self._start(tracked, new.block_ids, done, step)
                 self._plan_saves(tracked, start, done, state, step)
         cached = output.scheduled_cached_reqs
@@ -372,6 +404,8 @@ class SchedulerSide:
             done = start + output.num_scheduled_tokens[request_id]
             if request_id in cached.resumed_req_ids and new_ids is not None:
                 # Preempted and resumed: a whole new block table, maybe a new hit to load.
+                if tracked.skip_local_hit:
+                    self._skip_local_hit(tracked, start)
                 self._start(tracked, new_ids, done, step)
             elif new_ids is not None:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
