@@ -35,6 +35,7 @@ CONNECTOR_NAME = "HybridKVConnector"
 CONNECTOR_MODULE = "hybridkv.integration"
 EXTERNAL_HITS_METRIC = "vllm:external_prefix_cache_hits"
 T = TypeVar("T")
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 class Step(msgspec.Struct, kw_only=True):
@@ -159,13 +160,27 @@ def run_instance(
     timeout_s: float = 600.0,
 ) -> InstanceResult:
     """Run ``spec`` in a fresh process group; raise :class:`InstanceError` on any error."""
+    return run_script(Path(__file__), spec, InstanceResult, workdir, name, env, timeout_s)
+
+
+def run_script(
+    script: Path,
+    spec: msgspec.Struct,
+    result_type: type[R],
+    workdir: Path,
+    name: str,
+    env: dict[str, str],
+    timeout_s: float = 600.0,
+) -> R:
+    """Run ``python script SPEC RESULT`` in a fresh process group and decode its RESULT;
+    raise :class:`InstanceError` on any error."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
     log_path = workdir / f"{name}.log"
     spec_path.write_bytes(msgspec.json.encode(spec))
     result_path.unlink(missing_ok=True)
-    argv = [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(result_path)]
+    argv = [sys.executable, str(script.resolve()), str(spec_path), str(result_path)]
     child = start_group(argv, log_path, env)
     try:
         code: int | None = child.wait(timeout_s)
@@ -176,7 +191,7 @@ def run_instance(
     if code != 0 or not result_path.exists():
         why = "timed out" if code is None else f"exited with {code}"
         raise InstanceError(f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}")
-    return msgspec.json.decode(result_path.read_bytes(), type=InstanceResult)
+    return msgspec.json.decode(result_path.read_bytes(), type=result_type)
 
 
 def start_group(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -1,0 +1,96 @@
+"""One streaming-input session on vLLM's AsyncLLM, in its own process, with the connector.
+
+``python streaming_session.py SPEC RESULT``: SPEC (JSON) names the model, the chunks of
+the session (token ids, each sent once the previous turn has answered) and the tokens
+each turn generates; RESULT gets each turn's generated token ids. vLLM keeps the
+session's KV between turns and drops the token each turn sampled last, so the session's
+context is every chunk with the turns' other tokens between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class SessionSpec(msgspec.Struct, kw_only=True):
+    model: str
+    chunks: list[list[int]]
+    max_tokens: int
+    block_size: int
+    max_num_batched_tokens: int
+    connector: dict[str, Any]
+
+
+class SessionResult(msgspec.Struct, kw_only=True):
+    turns: list[list[int]]  # the token ids each turn generated
+
+
+async def _session(spec: SessionSpec) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.protocol import StreamingInput
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=spec.model,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=spec.block_size,
+        max_model_len=4096,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        gpu_memory_utilization=0.2,
+        enable_prefix_caching=True,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HybridKVConnector",
+            kv_connector_module_path="hybridkv.integration",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec.connector,
+        ),
+    )
+    engine = AsyncLLM.from_engine_args(args)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec.max_tokens, output_kind=RequestOutputKind.DELTA
+    )
+    turns: list[list[int]] = []
+    answered = asyncio.Event()
+
+    async def chunks() -> AsyncIterator[StreamingInput]:
+        for chunk in spec.chunks:
+            answered.clear()
+            yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=chunk))
+            await answered.wait()
+
+    try:
+        turn: list[int] = []
+        async for output in engine.generate(chunks(), params, request_id="session"):
+            turn.extend(output.outputs[0].token_ids)
+            if len(turn) >= spec.max_tokens:
+                turns.append(turn[: spec.max_tokens])
+                turn = turn[spec.max_tokens :]
+                answered.set()
+    finally:
+        engine.shutdown()
+    return turns
+
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=SessionSpec)
+    turns = asyncio.run(_session(spec))
+    gc.collect()
+    Path(result_path).write_bytes(msgspec.json.encode(SessionResult(turns=turns)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
