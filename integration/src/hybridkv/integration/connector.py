@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -344,7 +344,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._announcer is not None:
             self._announcer.reset(self.scheduler_side.generation)
         assert self._client is not None  # the scheduler side has one
-        removed = self._client.remove(self.keys.prefixes())
+        removed = self._client.remove()
         if removed is None:
             logger.warning(
                 "hybridkv: cache reset: this instance will not load older KV, but the pool "
@@ -433,9 +433,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 publish_port(self._published, self._server.port)
                 atexit.register(self._published.unlink, missing_ok=True)  # if never shut down
 
-    def _remove_from_pool(self, prefixes: Sequence[str]) -> int:
+    def _remove_from_pool(self) -> int:
+        # Every stage's objects (this worker's key space renders its own stage's only).
         # Not forced: an object read in the last lease period may still be in flight to
         # another instance, and freeing it could hand its memory to a new put mid-read.
+        model = model_name(self._vllm_config.model_config.model)
+        prefixes = KeySpace(self.plan, model, self.config.namespace).prefixes()
         store = self.worker_side.engine.store
         return sum(store.remove_by_prefix(prefix) for prefix in prefixes)
 

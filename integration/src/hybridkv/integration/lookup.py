@@ -2,10 +2,11 @@
 
 The scheduler process holds no store client; worker rank 0 does. One REQ/REP round trip
 per lookup carries every key of that lookup (msgspec-encoded); a cache reset asks for the
-model's objects to be removed the same way. The server answers every request, a malformed
-one with an error, and survives anything a request does; the client gives up after a
-timeout and reports "unknown", which the scheduler treats as a miss (recompute), never as
-a hang.
+model's objects to be removed the same way (which objects, the server alone decides: its
+own model's, so that whoever reaches its loopback port cannot name others'). The server
+answers every request, a malformed one with an error, and survives anything a request
+does; the client gives up after a timeout and reports "unknown", which the scheduler
+treats as a miss (recompute), never as a hang.
 
 Worker rank 0 publishes its port in a file named by the engine; the scheduler, its only
 reader, removes the file once it has read it, so a killed instance leaves one behind only
@@ -35,9 +36,7 @@ class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
 
 
 class RemoveRequest(msgspec.Struct, frozen=True, tag="remove"):
-    """Remove every object whose key starts with one of `prefixes` (a cache reset)."""
-
-    prefixes: list[str]
+    """Remove the objects of the server's own model, layout and namespace (a cache reset)."""
 
 
 class LookupReply(msgspec.Struct, frozen=True):
@@ -51,7 +50,7 @@ _decode_request = msgspec.msgpack.Decoder(LookupRequest | RemoveRequest).decode
 _decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
 
 Readability = Callable[[Sequence[str]], list[bool]]
-Removal = Callable[[Sequence[str]], int]
+Removal = Callable[[], int]
 
 
 def rendezvous_path(instance: str) -> Path:
@@ -106,7 +105,7 @@ class LookupServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return LookupReply(error=f"malformed lookup request: {exc}")
         if isinstance(request, RemoveRequest):
-            return self._answer_remove(request.prefixes)
+            return self._answer_remove()
         try:
             answers = self._readable(request.keys)
         except Exception as exc:  # the pool failing must not take the server down
@@ -116,13 +115,13 @@ class LookupServer:
             return LookupReply(error=f"{len(answers)} answers for {len(request.keys)} keys")
         return LookupReply(readable=[bool(answer) for answer in answers])
 
-    def _answer_remove(self, prefixes: list[str]) -> LookupReply:
+    def _answer_remove(self) -> LookupReply:
         if self._remove is None:
             return LookupReply(error="this lookup server does not remove objects")
         try:
-            return LookupReply(removed=self._remove(prefixes))
+            return LookupReply(removed=self._remove())
         except Exception as exc:  # the pool failing must not take the server down
-            logger.warning("hybridkv removal of %s failed: %s", prefixes, exc)
+            logger.warning("hybridkv removal of this model's objects failed: %s", exc)
             return LookupReply(error=f"removal failed: {type(exc).__name__}: {exc}")
 
     def _serve(self) -> None:
@@ -192,9 +191,9 @@ class LookupClient:
         reply = self._ask(LookupRequest(list(keys)), "lookup", "recomputing instead")
         return None if reply is None else reply.readable
 
-    def remove(self, prefixes: Sequence[str]) -> int | None:
-        """Objects removed under `prefixes`, or None when the server did not answer."""
-        reply = self._ask(RemoveRequest(list(prefixes)), "removal", "the pool keeps them")
+    def remove(self) -> int | None:
+        """Objects of the server's model removed, or None when the server did not answer."""
+        reply = self._ask(RemoveRequest(), "removal", "the pool keeps them")
         return None if reply is None else reply.removed
 
     def _ask(
