@@ -92,6 +92,10 @@ def test_a_block_is_announced_once_every_storing_head_stored_it() -> None:
     announcer.add([HeadStored(head=1, event=stored(0, 7))])
     assert announcer.take() == [stored(0, 7)]
     assert announcer.take() == []
+    # Saved again (a repeated prompt, found in the pool): announced once only.
+    announcer.add([HeadStored(head=0, event=stored(0, 7)), HeadStored(1, stored(0, 7))])
+    announcer.add([HeadStored(head=0, event=stored(1, 8))])
+    assert announcer.take() == []
 
     # A cache reset: what a worker reports of a save planned before it is not announced.
     announcer.add([HeadStored(head=0, event=stored(0, 9))])  # waits for head 1
@@ -101,3 +105,5 @@ def test_a_block_is_announced_once_every_storing_head_stored_it() -> None:
     assert announcer.take() == []
     announcer.add([HeadStored(0, stored(1, 12), generation=1)])
     assert announcer.take() == [stored(1, 12)]
+    announcer.add([HeadStored(0, stored(1, 8), generation=1)])  # stored anew after the reset
+    assert announcer.take() == [stored(1, 8)]

@@ -26,6 +26,9 @@ from vllm.distributed.kv_events import (
 
 # Blocks some head reported but another never did (its put failed) are dropped past this.
 _MAX_PENDING = 65536
+# Blocks announced lately, not announced again (a repeated prompt's blocks are planned for
+# saving again, and found in the pool): vLLM's incremental reports do not repeat either.
+_MAX_ANNOUNCED = 65536
 
 
 class HeadStored(KVCacheEvent):
@@ -69,7 +72,8 @@ class StoredEvents(KVConnectorKVEvents):
 
 
 class PoolAnnouncer:
-    """Scheduler side: collects head reports, releases each block once all heads stored it.
+    """Scheduler side: collects head reports, releases each block once all heads stored it,
+    and not again while it is among the last `_MAX_ANNOUNCED` released since a reset.
 
     `storing_heads` maps vLLM's group id to the number of distinct objects a block of
     that group has (one per storing head).
@@ -79,6 +83,7 @@ class PoolAnnouncer:
         self._storing = dict(storing_heads)
         self._pending: OrderedDict[BlockStored, set[int]] = OrderedDict()
         self._ready: list[BlockStored] = []
+        self._announced: OrderedDict[BlockStored, None] = OrderedDict()
         self._generation = 0
 
     def reset(self, generation: int) -> None:
@@ -87,18 +92,25 @@ class PoolAnnouncer:
         self._generation = generation
         self._pending.clear()
         self._ready.clear()
+        self._announced.clear()
 
     def add(self, reports: Iterable[KVCacheEvent]) -> None:
         for report in reports:
             if not isinstance(report, HeadStored) or report.generation < self._generation:
+                continue
+            if report.event in self._announced:
+                self._announced.move_to_end(report.event)
                 continue
             heads = self._pending.setdefault(report.event, set())
             heads.add(report.head)
             if len(heads) >= self._storing.get(report.event.group_idx or 0, 1):
                 del self._pending[report.event]
                 self._ready.append(report.event)
+                self._announced[report.event] = None
         while len(self._pending) > _MAX_PENDING:
             self._pending.popitem(last=False)
+        while len(self._announced) > _MAX_ANNOUNCED:
+            self._announced.popitem(last=False)
 
     def take(self) -> list[BlockStored]:
         ready, self._ready = self._ready, []
