@@ -15,8 +15,8 @@ from conftest import require
 
 from hybridkv.integration import pool as pool_module
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.pool import Broadcast, EmbeddedMaster, Pool, open_pool
-from hybridkv.transport import MooncakeStore, Status
+from hybridkv.integration.pool import Broadcast, EmbeddedMaster, Pool, SharedMaster, open_pool
+from hybridkv.transport import MasterProcess, MooncakeConfig, MooncakeStore, Status
 
 RANKS = 2
 
@@ -26,11 +26,13 @@ class ThreadGroup:
 
     def __init__(self, ranks: int) -> None:
         self._barrier = threading.Barrier(ranks)
-        self._value: EmbeddedMaster | None = None
-        self.sent: list[EmbeddedMaster | None] = []
+        self._value: EmbeddedMaster | SharedMaster | None = None
+        self.sent: list[EmbeddedMaster | SharedMaster | None] = []
 
     def broadcast(self, rank: int) -> Broadcast:
-        def broadcast(value: EmbeddedMaster | None) -> EmbeddedMaster | None:
+        def broadcast(
+            value: EmbeddedMaster | SharedMaster | None,
+        ) -> EmbeddedMaster | SharedMaster | None:
             if rank == 0:
                 self._value = value
                 self.sent.append(value)
@@ -40,8 +42,12 @@ class ThreadGroup:
         return broadcast
 
 
+RANK = threading.local()  # the rank a thread of `_open_all` plays
+
+
 def _open_all(group: ThreadGroup) -> list[Pool | BaseException]:
     def open_rank(rank: int) -> Pool | BaseException:
+        RANK.value = rank
         try:
             return open_pool(ConnectorConfig(), rank, group.broadcast(rank))
         except Exception as exc:
@@ -115,6 +121,33 @@ def test_a_rank_on_another_host_refuses_the_embedded_master(
     finally:
         if isinstance(first, Pool):
             first.close()
+
+
+@pytest.mark.parametrize("configured", [(True, False), (False, True), (True, True)])
+def test_ranks_that_see_different_pools_refuse_to_start_instead_of_waiting(
+    configured: tuple[bool, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor may not pass MOONCAKE_CONFIG_PATH to every worker: a rank seeing
+    another pool than rank 0 (none, or another master) would wait for rank 0 forever, or
+    store into a pool the others never read."""
+    master = MasterProcess.start()
+    addresses = [master.address, "127.0.0.1:1"]
+    configs = [
+        MooncakeConfig(master_server_address=address) if wanted else None
+        for address, wanted in zip(addresses, configured, strict=True)
+    ]
+    monkeypatch.setattr(pool_module, "mooncake_config_from_env", lambda: configs[RANK.value])
+    first, second = _open_all(ThreadGroup(RANKS))
+    try:
+        assert isinstance(first, Pool)
+        assert isinstance(second, RuntimeError)
+        seen = addresses[1] if configured[1] else "none"
+        assert f"TP rank 1 is configured with {seen}" in str(second)
+        assert "every worker must see the same file" in str(second)
+    finally:
+        if isinstance(first, Pool):
+            first.close()
+        master.stop()
 
 
 @pytest.mark.parametrize(

@@ -42,9 +42,15 @@ class EmbeddedMaster(NamedTuple):
     address: str
 
 
+class SharedMaster(NamedTuple):
+    """The master rank 0 was configured with (`MOONCAKE_CONFIG_PATH`)."""
+
+    address: str
+
+
 # Rank 0 sends what it has to every rank and returns it; the others return what it sent.
 # All ranks call it once, together (vLLM's tensor-parallel group broadcast).
-Broadcast = Callable[[EmbeddedMaster | None], EmbeddedMaster | None]
+Broadcast = Callable[[EmbeddedMaster | SharedMaster | None], EmbeddedMaster | SharedMaster | None]
 
 
 @dataclass
@@ -57,10 +63,12 @@ class Pool:
     rdma: bool = False
 
     def close(self) -> None:
-        if not isinstance(self.store, MemoryStore):
-            self.store.close()
-        if self.master is not None:
-            self.master.stop()
+        try:
+            if not isinstance(self.store, MemoryStore):
+                self.store.close()
+        finally:
+            if self.master is not None:
+                self.master.stop()
 
 
 def _refuse_stages(pp_size: int, store: str) -> None:
@@ -76,21 +84,33 @@ def open_pool(
 ) -> Pool:
     """The store this worker uses, started as the configuration asks.
 
-    Every rank takes the same branch (same configuration and environment), so with the
-    embedded master all of them meet in `broadcast`: rank 0 sends the master's address,
-    or None when it could not start one, so that the others fail instead of waiting.
-    Pipeline stages must share one pool: each would start a master of its own.
+    Every rank meets the others in `broadcast` once: rank 0 sends the master it uses,
+    configured or embedded (None when it could not start one, so that the others fail
+    instead of waiting), and a rank whose environment names another refuses to start
+    (an executor may not pass `MOONCAKE_CONFIG_PATH` to every worker). Pipeline stages
+    must share one pool: each would start a master of its own.
     """
     if config.store == "memory":
         _refuse_stages(pp_size, "the memory store")
         return Pool(process_memory_store())
     mooncake = mooncake_config_from_env()
+    if mooncake is None:
+        _refuse_stages(pp_size, "an embedded master")
+    mine = None if mooncake is None else mooncake.master_server_address
+    if tp_rank == 0 and mooncake is not None:
+        broadcast(SharedMaster(mooncake.master_server_address))
+    chosen = broadcast(None) if tp_rank != 0 else None
+    if tp_rank != 0 and mine != (chosen.address if isinstance(chosen, SharedMaster) else None):
+        theirs = "an embedded master" if not isinstance(chosen, SharedMaster) else chosen.address
+        raise RuntimeError(
+            f"hybridkv: TP rank 0 uses {theirs} but TP rank {tp_rank} is configured with "
+            f"{mine or 'none'} (MOONCAKE_CONFIG_PATH): every worker must see the same file"
+        )
     if mooncake is not None:
         return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
-    _refuse_stages(pp_size, "an embedded master")
     if tp_rank != 0:
-        embedded = broadcast(None)
-        if embedded is None:
+        embedded = chosen
+        if not isinstance(embedded, EmbeddedMaster):
             raise RuntimeError(
                 "hybridkv: worker rank 0 could not start the embedded mooncake_master "
                 "(see its log); set MOONCAKE_CONFIG_PATH to use a shared master"
