@@ -68,7 +68,7 @@ def test_saves_carry_block_stored_with_vllm_hashes_per_group(vllm_specs: Any) ->
 
 def test_a_block_is_announced_once_every_storing_head_stored_it() -> None:
     announcer = PoolAnnouncer({0: 2, 1: 1})
-    from vllm.distributed.kv_events import BlockStored
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     def stored(group: int, name: int) -> BlockStored:
         return BlockStored(
@@ -102,8 +102,19 @@ def test_a_block_is_announced_once_every_storing_head_stored_it() -> None:
     announcer.add([HeadStored(head=0, event=stored(1, 10))])  # ready, not yet taken
     announcer.reset(1)
     announcer.add([HeadStored(head=1, event=stored(0, 9)), HeadStored(0, stored(1, 11))])
-    assert announcer.take() == []
+    removed = [
+        BlockRemoved(block_hashes=[name], medium="CPU", group_idx=group)
+        for group, name in [(0, 7), (1, 8)]
+    ]
+    assert announcer.take() == removed  # what was published (10 was not yet), now gone
     announcer.add([HeadStored(0, stored(1, 12), generation=1)])
     assert announcer.take() == [stored(1, 12)]
     announcer.add([HeadStored(0, stored(1, 8), generation=1)])  # stored anew after the reset
     assert announcer.take() == [stored(1, 8)]
+    announcer.add([HeadStored(0, stored(1, 13), generation=1)])
+    assert announcer.take() == [stored(1, 13)]
+    announcer.reset(2)
+    announcer.reset(3)  # before vLLM took the first reset's removals: they stay
+    assert announcer.take() == [
+        BlockRemoved(block_hashes=[name], medium="CPU", group_idx=1) for name in [12, 8, 13]
+    ]

@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
+    BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVConnectorKVEvents,
@@ -82,16 +83,25 @@ class PoolAnnouncer:
     def __init__(self, storing_heads: Mapping[int, int]) -> None:
         self._storing = dict(storing_heads)
         self._pending: OrderedDict[BlockStored, set[int]] = OrderedDict()
-        self._ready: list[BlockStored] = []
+        self._ready: list[BlockStored | BlockRemoved] = []
         self._announced: OrderedDict[BlockStored, None] = OrderedDict()
         self._generation = 0
 
     def reset(self, generation: int) -> None:
-        """A cache reset removed the pool's blocks: reports of older saves, some still on
+        """A cache reset removed the pool's blocks: the blocks announced lately are
+        announced removed (`BlockRemoved`), and reports of older saves, some still on
         their way from the workers, announce nothing any more."""
         self._generation = generation
         self._pending.clear()
-        self._ready.clear()
+        unpublished = set(self._ready)
+        self._ready = [event for event in self._ready if isinstance(event, BlockRemoved)]
+        self._ready += [
+            BlockRemoved(
+                block_hashes=event.block_hashes, medium=MEDIUM_CPU, group_idx=event.group_idx
+            )
+            for event in self._announced
+            if event not in unpublished
+        ]
         self._announced.clear()
 
     def add(self, reports: Iterable[KVCacheEvent]) -> None:
@@ -112,7 +122,7 @@ class PoolAnnouncer:
         while len(self._announced) > _MAX_ANNOUNCED:
             self._announced.popitem(last=False)
 
-    def take(self) -> list[BlockStored]:
+    def take(self) -> list[BlockStored | BlockRemoved]:
         ready, self._ready = self._ready, []
         return ready
 
