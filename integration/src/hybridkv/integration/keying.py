@@ -66,11 +66,12 @@ class RequestExtras:
 
     def of(self, start: int, stop: int) -> object:
         """The extra of the tokens in [start, stop): the request's, and the inputs there."""
-        return self._extra([m for m in self._media() if m[0] < stop and m[1] > start])
+        [extra] = self.of_blocks(start, stop, stop - start)
+        return extra
 
     def of_blocks(self, first: int, stop: int, size: int) -> list[object]:
-        """`of` each `size`-token block from token `first` (a block start) up to `stop`:
-        one pass over the inputs, not one per block (long prompts carry many images)."""
+        """The extra of each `size`-token block from token `first` up to `stop`: one pass
+        over the inputs, not one per block (long prompts carry many images)."""
         media = self._media()
         starts = [start for start, _, _ in media]
         extras: list[object] = []

@@ -96,16 +96,20 @@ def open_pool(
     mooncake = mooncake_config_from_env()
     if mooncake is None:
         _refuse_stages(pp_size, "an embedded master")
-    mine = None if mooncake is None else mooncake.master_server_address
-    if tp_rank == 0 and mooncake is not None:
-        broadcast(SharedMaster(mooncake.master_server_address))
-    chosen = broadcast(None) if tp_rank != 0 else None
-    if tp_rank != 0 and mine != (chosen.address if isinstance(chosen, SharedMaster) else None):
-        theirs = "an embedded master" if not isinstance(chosen, SharedMaster) else chosen.address
-        raise RuntimeError(
-            f"hybridkv: TP rank 0 uses {theirs} but TP rank {tp_rank} is configured with "
-            f"{mine or 'none'} (MOONCAKE_CONFIG_PATH): every worker must see the same file"
-        )
+    mine = None if mooncake is None else SharedMaster(mooncake.master_server_address)
+    chosen = None
+    if tp_rank == 0:
+        if mine is not None:
+            broadcast(mine)
+    else:
+        chosen = broadcast(None)
+        theirs = chosen if isinstance(chosen, SharedMaster) else None
+        if theirs != mine:
+            raise RuntimeError(
+                f"hybridkv: TP rank 0 uses {theirs.address if theirs else 'an embedded master'}"
+                f" but TP rank {tp_rank} is configured with {mine.address if mine else 'none'}"
+                " (MOONCAKE_CONFIG_PATH): every worker must see the same file"
+            )
     if mooncake is not None:
         return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
     if tp_rank != 0:

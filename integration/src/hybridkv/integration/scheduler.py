@@ -205,7 +205,9 @@ class SchedulerSide:
         requests): they are never saved under the new generation's keys, nor is a block
         it ends in. (Before any reset they are, which refills a pool that dropped them.)
         `computed`: the tokens vLLM admitted the request with, its final local hit (which
-        it may have cut after the lookup) and the pool's."""
+        it may have cut after the lookup) and the pool's. Once per lookup."""
+        if not tracked.skip_local_hit:
+            return
         tracked.skip_local_hit = False
         for group, plan in enumerate(self.plan.groups):
             reached = -(-computed // plan.block_size)
@@ -390,8 +392,7 @@ class SchedulerSide:
             if tracked is not None:
                 start = new.num_computed_tokens
                 done = start + output.num_scheduled_tokens[new.req_id]
-                if tracked.skip_local_hit:
-                    self._skip_local_hit(tracked, start)
+                self._skip_local_hit(tracked, start)
                 self._start(tracked, new.block_ids, done, step)
                 self._plan_saves(tracked, start, done, state, step)
         cached = output.scheduled_cached_reqs
@@ -404,8 +405,7 @@ class SchedulerSide:
             done = start + output.num_scheduled_tokens[request_id]
             if request_id in cached.resumed_req_ids and new_ids is not None:
                 # Preempted and resumed: a whole new block table, maybe a new hit to load.
-                if tracked.skip_local_hit:
-                    self._skip_local_hit(tracked, start)
+                self._skip_local_hit(tracked, start)
                 self._start(tracked, new_ids, done, step)
             elif new_ids is not None:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
