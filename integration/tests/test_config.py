@@ -74,6 +74,11 @@ def test_every_key_is_accepted() -> None:
         ({"granularity": "bytes"}, "granularity"),
         ({"full_pool_pause_s": -1}, "full_pool_pause_s"),
         ({"failed_load_quarantine_s": 0}, "failed_load_quarantine_s"),
+        # JSON's 1e999 reads as infinity: a quarantine that never ends, a pause for good.
+        ({"failed_load_quarantine_s": float("inf")}, "failed_load_quarantine_s"),
+        ({"full_pool_pause_s": float("inf")}, "full_pool_pause_s"),
+        ({"lookup_timeout_ms": 2**31}, "lookup_timeout_ms"),  # past ZMQ's C int
+        ({"mooncake_rpc_port": "six"}, "mooncake_rpc_port"),
         ({"kv_cache_layout": "LHBNC"}, "kv_cache_layout"),  # a block spread over heads
     ],
 )
@@ -98,6 +103,10 @@ def test_vllm_mooncake_store_connector_config_carries_over() -> None:
     assert config.lookup_port() == 6000
     assert config.lookup_port(data_parallel_rank=3) == 6003  # DP engines on one host
     assert parse_extra_config({}).lookup_port(data_parallel_rank=3) == 0  # published
+    last = parse_extra_config({"lookup_rpc_port": 65534})
+    assert last.lookup_port(data_parallel_rank=1) == 65535
+    with pytest.raises(ValueError, match="lookup_rpc_port 65534 plus data-parallel rank 2"):
+        last.lookup_port(data_parallel_rank=2)
     assert not config.loads_for("kv_both")  # enable_lookup false: it only stores
     assert config.saves_for("kv_both")
     assert parse_extra_config({}).loads_for("kv_both")
@@ -162,7 +171,7 @@ def test_ascend_store_connector_config_carries_over() -> None:
     config = parse_extra_config(
         {
             "backend": "mooncake",
-            "mooncake_rpc_port": 6000,
+            "mooncake_rpc_port": "6000",  # its docs give the port as a string
             "load_async": False,
             "use_layerwise": True,
             "layerwise_prefetch_layers": 1,
@@ -174,7 +183,7 @@ def test_ascend_store_connector_config_carries_over() -> None:
             "discard_partial_chunks": True,
             "h2d_stagger_us": 50,
             "layerwise_num_shared_buffers": 2,
-            "layerwise_independent_layers": ["model.layers.0.self_attn.attn"],
+            "layerwise_independent_layers": [0],  # physical layer indices
             "prefill_pp_size": 1,
         }
     )

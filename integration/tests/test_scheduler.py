@@ -150,6 +150,10 @@ def test_keys_whose_load_failed_count_as_absent_while_quarantined(vllm_specs: An
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (160, False)
     side.loads_failed({"r"}, _block_keys(side, TOKENS, 0, slice(2, 4)))
     assert side.take_stats()["quarantined_keys"] == 2
+    # Another read of one of them, looked up before the failure was reported, fails too:
+    # still the same two objects.
+    side.loads_failed(set(), _block_keys(side, TOKENS, 0, slice(3, 5)))
+    assert side.take_stats()["quarantined_keys"] == 1
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (64, False)
     assert side.num_new_matched_tokens(request("other", TOKENS), 0) == (64, False)
     clock.now = 29.9

@@ -536,3 +536,31 @@ def test_with_eagle_a_pool_hit_is_as_long_as_vllm_s_own_and_exact(
     assert written == cold
     assert read[2] == local[2]
     assert read[:2] == cold[:2]
+
+
+def test_a_serving_engine_announces_its_last_step_s_saves_while_idle(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's saves are announced with the next step's output. The prompt's last step
+    completes two blocks and ends the request (one token); no other request follows. The
+    engine process (a server's) still runs the step that tells the workers the request
+    finished, so those two blocks reach the router too, not only with the next request."""
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    from vllm import SamplingParams
+    from vllm.config import KVEventsConfig
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    stream = EventStream(tmp_path_factory.mktemp("events"))
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=stream.endpoint)
+    llm = new_llm(model, {"store": "memory", "namespace": "idle"}, kv_events_config=events)
+    try:
+        prompt = PROMPT[: 6 * 32]  # six whole blocks; chunks of 64 tokens
+        params = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+        llm.generate([{"prompt_token_ids": prompt}], params)
+        stored = stream.stored()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    pool = [e.block_hashes for e in stored if e.medium == "CPU"]
+    assert len(pool) == 6

@@ -373,6 +373,16 @@ def test_stats_account_every_wait_of_the_step(rig: Rig) -> None:
     assert rig.strategy.stats.steps == 0
 
 
+def test_a_step_that_moves_nothing_submits_and_counts_nothing(rig: Rig) -> None:
+    """A decode step without loads or saves: no layer handed to the transport, and the
+    stats (Prometheus: steps that moved KV, layers handed to saves) stay at zero."""
+    rig.strategy.begin_step(loads=[], saves=[])
+    run_forward(rig, BLOCKS, value=3)
+    assert rig.strategy.wait_for_save() is not None
+    stats = rig.strategy.reset_stats()
+    assert (stats.steps, stats.layers_saved) == (0, 0)
+
+
 def test_reporters_for_layers_without_caches_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"model\.layers\.7"):
         Rig(reporters={"model.layers.7.self_attn.attn": 7})

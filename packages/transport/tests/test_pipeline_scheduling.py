@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -72,6 +73,10 @@ def test_options_are_validated() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"full_pool_pause_s must be >= 0 \(0: never pause\)"):
         PipelineOptions(full_pool_pause_s=-0.5)
+    with pytest.raises(ValueError, match="full_pool_pause_s must be >= 0"):
+        PipelineOptions(full_pool_pause_s=math.nan)
+    with pytest.raises(ValueError, match="full_pool_pause_s must be finite"):
+        PipelineOptions(full_pool_pause_s=math.inf)
     with pytest.raises(ValueError, match="max_transfer_pieces must be >= 0"):
         PipelineOptions(max_transfer_pieces=-1)
 

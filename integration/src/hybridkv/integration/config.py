@@ -7,6 +7,7 @@ works unchanged). Anything unknown or out of range stops start-up with an error 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -22,6 +23,9 @@ MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_MAX_TIMEOUT_MS = 2**31 - 1  # ZMQ's receive timeout is a C int
+# AscendStoreConnector's examples give ports as strings ("mooncake_rpc_port": "0").
+_PORT_KEYS = ("lookup_rpc_port", "mooncake_rpc_port")
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,7 +74,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     lookup_rpc_port: Port = 0
     # AscendStoreConnector's older name for lookup_rpc_port.
     mooncake_rpc_port: Port = 0
-    lookup_timeout_ms: Positive = 5000
+    lookup_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=_MAX_TIMEOUT_MS)] = 5000
     # Objects are whole blocks addressed by content; a partial block is stored only as a
     # prompt tail (below). The key exists so AscendStoreConnector configs carry over.
     discard_partial_chunks: bool = True
@@ -88,7 +92,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # accepted so configs carry over, with no effect.
     h2d_stagger_us: NonNegative = 0
     layerwise_num_shared_buffers: NonNegative | None = None
-    layerwise_independent_layers: list[str] | None = None
+    # AscendStoreConnector takes physical layer indices here.
+    layerwise_independent_layers: list[int | str] | None = None
     # Pipeline parallelism of a prefill instance: unsupported, so only 1 is accepted.
     prefill_pp_size: Positive = 1
     prefill_pp_layer_partition: str | None = None
@@ -112,12 +117,23 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if self.lookup_rpc_port and self.mooncake_rpc_port:
             raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")
+        for key in ("full_pool_pause_s", "failed_load_quarantine_s"):
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"{key} must be a finite number of seconds")
 
     def lookup_port(self, data_parallel_rank: int = 0) -> int:
         """The fixed lookup port of a data-parallel engine (0: published by its worker rank
         0): engines on one host each take their own, the configured port plus their rank."""
         port = self.lookup_rpc_port or self.mooncake_rpc_port
-        return port + data_parallel_rank if port else 0
+        if not port:
+            return 0
+        if port + data_parallel_rank > 65535:
+            key = "lookup_rpc_port" if self.lookup_rpc_port else "mooncake_rpc_port"
+            raise ValueError(
+                f"{key} {port} plus data-parallel rank {data_parallel_rank} is past port "
+                f"65535: lower it"
+            )
+        return port + data_parallel_rank
 
     def pipeline_options(
         self, device: str, rdma: bool = False, contiguous: bool = False
@@ -199,6 +215,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         )
     if isinstance(fields.get("staging_bytes"), str):
         fields["staging_bytes"] = parse_size(fields["staging_bytes"], "staging_bytes")
+    for key in _PORT_KEYS:
+        value = fields.get(key)
+        if isinstance(value, str) and value.strip().isdecimal():
+            fields[key] = int(value)
     try:
         return msgspec.convert(fields, ConnectorConfig)
     except msgspec.ValidationError as exc:

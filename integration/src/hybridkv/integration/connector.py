@@ -219,6 +219,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
+        # A fixed port past 65535 is refused here, not at the first lookup.
+        self._lookup_port = self.config.lookup_port(vllm_config.parallel_config.data_parallel_rank)
         if self.config.use_layerwise:
             refuse_layerwise_micro_batches(vllm_config)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
@@ -282,10 +284,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._lookup_port:
             return f"tcp://{LOOPBACK}:{self._lookup_port}"
         return take_published_address(rendezvous_path(self._instance))
-
-    @property
-    def _lookup_port(self) -> int:
-        return self.config.lookup_port(self._vllm_config.parallel_config.data_parallel_rank)
 
     @property
     def scheduler_side(self) -> SchedulerSide:

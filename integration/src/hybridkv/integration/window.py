@@ -73,6 +73,7 @@ class _StepState:
     failed_loads: dict[int, set[int]] = field(default_factory=dict)  # group -> local blocks
     hold: bool = False  # submit no put before the step end decides
     tainted: bool = False  # the loads are lost: submit no put at all
+    moves: bool = True  # the step has gets or puts (counted in `LayerwiseStats.steps`)
 
 
 class LayerwiseStrategy:
@@ -131,7 +132,11 @@ class LayerwiseStrategy:
         for name, layer in self._reporters.items():
             unreported[layer].add(name)
         step = self._engine.begin_layerwise(loads, saves)
-        self._state = _StepState(step, unreported, list(self._layers), hold=hold_saves)
+        # A step with nothing to put submits no layer (a decode step, mostly).
+        unsubmitted = list(self._layers) if saves else []
+        self._state = _StepState(
+            step, unreported, unsubmitted, hold=hold_saves, moves=bool(loads or saves)
+        )
 
     def wait_for_layer_load(self, name: str) -> None:
         """Return once this layer's gets are in the cache (vLLM calls this before attention)."""
@@ -213,7 +218,7 @@ class LayerwiseStrategy:
             return state.step.finish()  # drains everything even when it raises
         finally:
             self.stats.finish_wait_s += time.perf_counter() - started
-            self.stats.steps += 1
+            self.stats.steps += state.moves
 
     def abort(self) -> None:
         """Drain the open step fully (teardown or error): nothing stays in flight.

@@ -10,6 +10,7 @@ itself survives and keeps draining its queue, so one bad job never hangs the job
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -73,8 +74,10 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for name, zero in _WHAT_ZERO_MEANS.items():
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # NaN included
                 raise ValueError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
+        if math.isinf(self.full_pool_pause_s):  # the first full pool would stop saves for good
+            raise ValueError("full_pool_pause_s must be finite")
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}"
