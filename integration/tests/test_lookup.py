@@ -144,6 +144,47 @@ def test_removal_round_trip_and_its_failures(
     lookups_only.close()
 
 
+def test_a_removal_slower_than_a_lookup_s_timeout_is_waited_for() -> None:
+    """A removal walks the whole pool: a cache reset that did remove is not reported
+    failed because a lookup would have timed out by then."""
+
+    def slow_removal() -> int:
+        time.sleep(0.5)
+        return 7
+
+    server = LookupServer(_readable, remove=slow_removal)
+    client = LookupClient(server.address, timeout_ms=100)
+    try:
+        assert client.remove() == 7
+        assert client.query(["yes"]) == [True]  # lookups keep their own timeout
+    finally:
+        client.close()
+        server.close()
+
+
+def test_closing_does_not_wait_on_an_answer_that_hangs(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's shutdown must not hang on a pool call that never returns."""
+    release = threading.Event()
+
+    def hung_removal() -> int:
+        release.wait()
+        return 0
+
+    server = LookupServer(_readable, remove=hung_removal)
+    client = LookupClient(server.address, timeout_ms=100)
+    asking = threading.Thread(target=client.remove)
+    asking.start()
+    time.sleep(0.3)  # the server is inside the removal
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        server.close(timeout_s=0.2)
+    assert time.monotonic() - started < 2.0
+    assert "still answering" in caplog.text
+    release.set()
+    asking.join()
+    client.close()
+
+
 def test_the_published_port_is_read_once_and_the_file_removed(tmp_path: Path) -> None:
     path = tmp_path / "hybridkv-lookup-engine-dp0.port"
     assert take_published_address(path) is None  # not published yet

@@ -29,6 +29,12 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 _POLL_MS = 100
+# A removal walks the whole pool (a big one takes seconds): it is given at least this
+# long, so that a reset that did remove is not reported failed for a lookup's timeout.
+REMOVAL_TIMEOUT_MS = 60_000
+# How long closing waits for an answer in progress (a pool call that hangs) before
+# leaving the server's thread and socket to the process's exit.
+CLOSE_TIMEOUT_S = 5.0
 
 
 class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
@@ -143,9 +149,15 @@ class LookupServer:
                     return
                 logger.warning("hybridkv lookup server socket error: %s", exc)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # its socket is not ours to close while it answers
+            logger.warning(
+                "hybridkv lookup server still answering after %g s; left to the process's exit",
+                timeout_s,
+            )
+            return
         self._socket.close(0)
         self._context.term()
 
@@ -174,7 +186,6 @@ class LookupClient:
             return None
         socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
         socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
         socket.connect(address)
         self._socket = socket
@@ -188,30 +199,33 @@ class LookupClient:
 
     def query(self, keys: Sequence[str]) -> list[bool] | None:
         """Readability of every key, or None when the server cannot answer in time."""
-        reply = self._ask(LookupRequest(list(keys)), "lookup", "recomputing instead")
+        reply = self._ask(
+            LookupRequest(list(keys)), "lookup", "recomputing instead", self._timeout_ms
+        )
         return None if reply is None else reply.readable
 
     def remove(self) -> int | None:
         """Objects of the server's model removed, or None when the server did not answer."""
-        reply = self._ask(RemoveRequest(), "removal", "the pool keeps them")
+        timeout_ms = max(self._timeout_ms, REMOVAL_TIMEOUT_MS)
+        reply = self._ask(RemoveRequest(), "removal", "the pool may keep them", timeout_ms)
         return None if reply is None else reply.removed
 
     def _ask(
-        self, request: LookupRequest | RemoveRequest, what: str, fallback: str
+        self, request: LookupRequest | RemoveRequest, what: str, fallback: str, timeout_ms: int
     ) -> LookupReply | None:
-        """One round trip; None (after a warning saying `fallback`) unless answered."""
+        """One round trip; None (after a warning saying `fallback`) unless answered
+        within `timeout_ms`."""
         socket = self._connect()
         if socket is None:
             logger.warning("hybridkv lookup server not published yet: %s %s", what, fallback)
             return None
         try:
+            socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             socket.send(_encode(request))
             reply = _decode_reply(socket.recv())
         except zmq.Again:
             self._reset()
-            logger.warning(
-                "hybridkv %s timed out after %d ms: %s", what, self._timeout_ms, fallback
-            )
+            logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
             return None
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reset()
