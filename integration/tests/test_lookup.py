@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import logging
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -12,8 +14,10 @@ import zmq
 from hybridkv.integration.lookup import (
     LookupClient,
     LookupServer,
-    publish_port,
-    take_published_address,
+    is_private,
+    make_private,
+    remove_socket,
+    socket_path,
 )
 
 
@@ -185,18 +189,44 @@ def test_closing_does_not_wait_on_an_answer_that_hangs(caplog: pytest.LogCapture
     client.close()
 
 
-def test_the_published_port_is_read_once_and_the_file_removed(tmp_path: Path) -> None:
-    path = tmp_path / "hybridkv-lookup-engine-dp0.port"
-    assert take_published_address(path) is None  # not published yet
-    publish_port(path, 43210)
-    assert take_published_address(path) == "tcp://127.0.0.1:43210"
-    assert list(tmp_path.iterdir()) == []  # no staging file either
-    assert take_published_address(path) is None
+def test_the_lookup_socket_sits_where_only_this_user_can_reach_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any local user can reach a loopback port and, through it, remove this model's pool
+    objects; a Unix socket in a 0700 directory of this user's keeps them out."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = socket_path("engine-dp0")
+    assert path.parent.parent == tmp_path
+    assert socket_path("engine-dp1") != path  # each engine its own
+    assert not is_private(path.parent)  # not there yet
+    make_private(path.parent)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    make_private(path.parent)  # a killed instance's directory is taken over
+    path.parent.chmod(0o755)
+    with pytest.raises(PermissionError, match="mode 0700"):
+        make_private(path.parent)
+    path.parent.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    path.parent.symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match=str(path.parent)):
+        make_private(path.parent)
 
 
-def test_client_keeps_the_address_it_took_across_a_timeout(tmp_path: Path) -> None:
-    """The rendezvous file is gone once read: a fresh socket after a timed-out lookup
-    must reconnect to the address read then, and a client asks for it until it appears."""
+def test_a_socket_path_too_long_for_unix_sockets_is_refused_naming_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ("d" * 100)))
+    with pytest.raises(ValueError, match="set TMPDIR shorter, or set lookup_rpc_port"):
+        socket_path("engine-dp0")
+
+
+def test_the_client_waits_for_the_socket_and_keeps_its_address_across_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lookups before worker rank 0 listens are misses; once it does, a fresh socket after
+    a timed-out lookup reconnects; closing leaves neither the socket nor its directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     released = threading.Event()
 
     def slow_then_fast(keys: Sequence[str]) -> list[bool]:
@@ -204,15 +234,17 @@ def test_client_keeps_the_address_it_took_across_a_timeout(tmp_path: Path) -> No
             released.wait(5.0)
         return _readable(keys)
 
-    server = LookupServer(slow_then_fast)
-    path = tmp_path / "hybridkv-lookup-engine-dp0.port"
-    client = LookupClient(lambda: take_published_address(path), timeout_ms=200)
-    assert client.query(["yes"]) is None  # not published yet
-    publish_port(path, server.port)
+    path = socket_path("engine-dp0")
+    client = LookupClient(lambda: f"ipc://{path}" if path.exists() else None, timeout_ms=200)
+    assert client.query(["yes"]) is None  # not listening yet
+    make_private(path.parent)
+    server = LookupServer(slow_then_fast, f"ipc://{path}")
+    assert server.address == f"ipc://{path}"
     assert client.query(["slow"]) is None  # timed out: the socket is reset
-    assert not path.exists()
     released.set()
     time.sleep(0.3)  # the server answers the abandoned request first
     assert client.query(["yes-again", "no"]) == [True, False]
     client.close()
     server.close()
+    remove_socket(path)
+    assert list(tmp_path.iterdir()) == []

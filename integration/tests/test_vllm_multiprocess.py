@@ -3,7 +3,7 @@ real Mooncake master and segment holder.
 
 Proves what the in-process tests cannot: the plugin registers the connector by name in
 every process vLLM starts, the scheduler finds worker rank 0's lookup server in another
-process (through a file the scheduler removes once read), and a hit read back from the
+process (through a Unix socket only its user can reach), and a hit read back from the
 real pool reproduces the cold run exactly, with a shared master and with the embedded one.
 Reuse across vLLM instances lives in tests-e2e.
 """
@@ -11,6 +11,7 @@ Reuse across vLLM instances lives in tests-e2e.
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -77,9 +78,9 @@ def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`MOONCAKE_CONFIG_PATH` unset: worker rank 0 starts a master of its own. Its KV is
-    reused within the instance; the scheduler has taken worker rank 0's rendezvous file
-    before the first request, and after shutdown neither the master nor any file of ours
-    is left (the temp directory of every process is this test's own)."""
+    reused within the instance; worker rank 0's lookup socket sits alone in a directory of
+    mode 0700, and after shutdown neither the master nor any file of ours is left (the
+    temp directory of every process is this test's own)."""
     require("vllm")
     require("transformers")
     temp = tmp_path / "tmp"
@@ -93,14 +94,16 @@ def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
     llm = new_llm(model, {"namespace": "embedded"}, distributed_executor_backend="mp")
     try:
         started = _masters_running() - before
-        rendezvous = [p.name for p in temp.rglob("hybridkv-lookup*")]  # (the master logs)
+        (lookup,) = temp.glob("hybridkv-lookup-*")  # (the master's logs are hybridkv-* too)
+        lookup_mode = stat.S_IMODE(lookup.stat().st_mode)
+        lookup_files = [p.name for p in lookup.iterdir()]
         cold = complete(llm)
         assert llm.reset_prefix_cache()
         warm = complete(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len(started) == 1  # the embedded one
-    assert rendezvous == []
+    assert (lookup_mode, lookup_files) == (0o700, ["sock"])
     assert cold[2] == 0
     assert warm[2] == HIT
     assert warm[:2] == cold[:2]

@@ -7,7 +7,7 @@ cold run's tokens AND logprobs bit for bit (the models' raised init scale makes 
 depend visibly on the context: LFM2 without the recurrent-state move differed by 1.5e-2).
 The in-memory store is shared by the instances of this process; runs over real Mooncake
 across processes live in tests-e2e. Every run ends with vLLM's shutdown and checks that
-the connector left nothing behind (threads, pool sessions, port files).
+the connector left nothing behind (threads, pool sessions, lookup sockets).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def _run(
 
 def _assert_shut_down(instance: str) -> None:
     """After vLLM's shutdown nothing of the connector is left: no transfer or lookup
-    thread, no put or get session open in the pool, no published lookup port."""
-    from hybridkv.integration.lookup import rendezvous_path
+    thread, no put or get session open in the pool, no lookup socket."""
+    from hybridkv.integration.lookup import socket_path
     from hybridkv.integration.pool import process_memory_store
 
     alive = [t.name for t in threading.enumerate() if t.name.startswith("hybridkv")]
@@ -104,7 +104,7 @@ def _assert_shut_down(instance: str) -> None:
     store = process_memory_store()
     assert store.open_put_sessions() == set()
     assert store.open_get_sessions() == set()
-    assert not rendezvous_path(instance).exists()
+    assert not socket_path(instance).parent.exists()
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "lfm2"])

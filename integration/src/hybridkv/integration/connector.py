@@ -33,9 +33,10 @@ from hybridkv.integration.lookup import (
     LOOPBACK,
     LookupClient,
     LookupServer,
-    publish_port,
-    rendezvous_path,
-    take_published_address,
+    is_private,
+    make_private,
+    remove_socket,
+    socket_path,
 )
 from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
@@ -228,7 +229,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.plan, model_name(vllm_config.model_config.model), self.config.namespace
         )
         self._instance = _instance_id(vllm_config)
-        self._published: Path | None = None  # worker rank 0's rendezvous file, until taken
+        self._socket: Path | None = None  # worker rank 0's lookup socket, until shut down
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
         self._worker: WorkerSide | None = None
@@ -280,10 +281,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _lookup_address(self) -> str | None:
         # Not vLLM's connector handshake: under a MultiConnector only the first child's
         # handshake metadata reaches the scheduler, so ours could shadow (or be shadowed
-        # by) NIXL's. The scheduler is the file's only reader and removes it on reading.
+        # by) NIXL's. None until worker rank 0 listens.
         if self._lookup_port:
             return f"tcp://{LOOPBACK}:{self._lookup_port}"
-        return take_published_address(rendezvous_path(self._instance))
+        path = socket_path(self._instance)
+        return f"ipc://{path}" if is_private(path.parent) and path.exists() else None
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -423,13 +425,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             saves_outlive_step=_preemptions_come_first(self._vllm_config, device),
         )
         if tp_rank == 0 and pp_rank == 0:
-            self._server = LookupServer(
-                engine.batch_is_readable, self._lookup_port, self._remove_from_pool
-            )
-            if not self._lookup_port:
-                self._published = rendezvous_path(self._instance)
-                publish_port(self._published, self._server.port)
-                atexit.register(self._published.unlink, missing_ok=True)  # if never shut down
+            if self._lookup_port:
+                endpoint = f"tcp://{LOOPBACK}:{self._lookup_port}"
+            else:
+                self._socket = socket_path(self._instance)
+                make_private(self._socket.parent)
+                atexit.register(remove_socket, self._socket)  # if never shut down
+                endpoint = f"ipc://{self._socket}"
+            self._server = LookupServer(engine.batch_is_readable, endpoint, self._remove_from_pool)
 
     def _remove_from_pool(self) -> int:
         # Every stage's objects (this worker's key space renders its own stage's only).
@@ -550,9 +553,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._published is not None:  # the scheduler never took it
-            self._published.unlink(missing_ok=True)
-            self._published = None
+        if self._socket is not None:
+            remove_socket(self._socket)
+            self._socket = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

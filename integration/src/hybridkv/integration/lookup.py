@@ -8,15 +8,19 @@ answers every request, a malformed one with an error, and survives anything a re
 does; the client gives up after a timeout and reports "unknown", which the scheduler
 treats as a miss (recompute), never as a hang.
 
-Worker rank 0 publishes its port in a file named by the engine; the scheduler, its only
-reader, removes the file once it has read it, so a killed instance leaves one behind only
-if it dies before the scheduler starts.
+Unless a fixed loopback port is configured, worker rank 0 listens on a Unix socket in a
+directory only its user can enter, named by the engine: no other local user can ask it
+anything (a loopback port is open to every user of the host), and the scheduler finds it
+without a port to pass around.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -29,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 _POLL_MS = 100
+_MAX_SOCKET_PATH = 107  # Linux's sun_path, less its terminating NUL
 # A removal walks the whole pool (a big one takes seconds): it is given at least this
 # long, so that a reset that did remove is not reported failed for a lookup's timeout.
 REMOVAL_TIMEOUT_MS = 60_000
@@ -59,51 +64,65 @@ Readability = Callable[[Sequence[str]], list[bool]]
 Removal = Callable[[], int]
 
 
-def rendezvous_path(instance: str) -> Path:
-    """Where worker rank 0 publishes its lookup port for the scheduler of `instance`."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance)
-    return Path(tempfile.gettempdir()) / f"hybridkv-lookup-{safe}.port"
+def socket_path(instance: str) -> Path:
+    """Where worker rank 0 of `instance` listens for its scheduler (no fixed port set)."""
+    digest = hashlib.sha256(instance.encode()).hexdigest()[:16]  # short: sun_path is small
+    path = Path(tempfile.gettempdir()) / f"hybridkv-lookup-{digest}" / "sock"
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise ValueError(
+            f"the lookup socket {path} is longer than a Unix socket path may be "
+            f"({_MAX_SOCKET_PATH} bytes): set TMPDIR shorter, or set lookup_rpc_port"
+        )
+    return path
 
 
-def publish_port(path: Path, port: int) -> None:
-    """Write atomically so a reader never sees half a port number."""
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(str(port))
-    staging.replace(path)
-
-
-def take_published_address(path: Path) -> str | None:
-    """The address published in `path`, removing the file (None while there is none)."""
+def is_private(directory: Path) -> bool:
+    """A directory of this user's that no other user may enter (not a link to one)."""
     try:
-        port = int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+        status = directory.lstat()
+    except FileNotFoundError:
+        return False
+    return (
+        stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077
+    )
+
+
+def make_private(directory: Path) -> None:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if not is_private(directory):
+        raise PermissionError(
+            f"{directory} must be a directory of this user's alone (mode 0700) to hold the "
+            f"lookup socket: remove it, or set TMPDIR elsewhere, or set lookup_rpc_port"
+        )
+
+
+def remove_socket(path: Path) -> None:
+    """The socket file and its directory, once the server is closed (ZMQ leaves both)."""
     path.unlink(missing_ok=True)
-    return f"tcp://{LOOPBACK}:{port}"
+    with contextlib.suppress(OSError):  # not empty: not ours to remove
+        path.parent.rmdir()
 
 
 class LookupServer:
     """REP socket on loopback answering `LookupRequest`s from a readability function and
     `RemoveRequest`s from a removal function."""
 
-    def __init__(self, readable: Readability, port: int = 0, remove: Removal | None = None) -> None:
+    def __init__(
+        self,
+        readable: Readability,
+        endpoint: str = f"tcp://{LOOPBACK}:*",
+        remove: Removal | None = None,
+    ) -> None:
         self._readable = readable
         self._remove = remove
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._socket.bind(f"tcp://{LOOPBACK}:{port}")
-            self.port = port
-        else:
-            self.port = self._socket.bind_to_random_port(f"tcp://{LOOPBACK}")
+        self._socket.bind(endpoint)
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hybridkv-lookup", daemon=True)
         self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"tcp://{LOOPBACK}:{self.port}"
 
     def _answer(self, payload: bytes) -> LookupReply:
         try:
@@ -166,7 +185,7 @@ class LookupClient:
     """REQ side; `query` returns None (and warns) instead of waiting past the timeout.
 
     `address` may be a function answering None until the server is known; it is asked
-    from construction on until it answers, and never again (it may consume what it read).
+    from construction on until it answers, and never again.
     """
 
     def __init__(self, address: str | Callable[[], str | None], timeout_ms: int) -> None:
