@@ -70,7 +70,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     consumer_is_to_load: bool = False
     # Also store the blocks that generated tokens complete, not only the prompt's.
     save_decode_cache: bool = False
-    # 0: worker rank 0 picks a free loopback port and publishes it to the scheduler.
+    # 0: worker rank 0 listens on a Unix socket only this user can reach (see lookup.py).
     lookup_rpc_port: Port = 0
     # AscendStoreConnector's older name for lookup_rpc_port.
     mooncake_rpc_port: Port = 0
@@ -122,8 +122,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 raise ValueError(f"{key} must be a finite number of seconds")
 
     def lookup_port(self, data_parallel_rank: int = 0) -> int:
-        """The fixed lookup port of a data-parallel engine (0: published by its worker rank
-        0): engines on one host each take their own, the configured port plus their rank."""
+        """The fixed lookup port of a data-parallel engine (0: none, a Unix socket):
+        engines on one host each take their own, the configured port plus their rank."""
         port = self.lookup_rpc_port or self.mooncake_rpc_port
         if not port:
             return 0

@@ -104,8 +104,8 @@ def remove_socket(path: Path) -> None:
 
 
 class LookupServer:
-    """REP socket on loopback answering `LookupRequest`s from a readability function and
-    `RemoveRequest`s from a removal function."""
+    """REP socket (loopback TCP or a Unix socket) answering `LookupRequest`s from a
+    readability function and `RemoveRequest`s from a removal function."""
 
     def __init__(
         self,
@@ -236,7 +236,7 @@ class LookupClient:
         within `timeout_ms`."""
         socket = self._connect()
         if socket is None:
-            logger.warning("hybridkv lookup server not published yet: %s %s", what, fallback)
+            logger.warning("hybridkv lookup server not listening yet: %s %s", what, fallback)
             return None
         try:
             socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
