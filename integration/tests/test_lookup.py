@@ -115,7 +115,7 @@ def test_timeout_degrades_to_unknown(caplog: pytest.LogCaptureFixture) -> None:
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
         assert client.query(["yes"]) is None
-        assert client.query(["yes"]) is None  # a fresh socket after the timeout
+        assert client.query(["yes"]) is None  # the same socket sends again after a timeout
     assert time.monotonic() - started < 2.0
     assert "timed out" in caplog.text
     client.close()
@@ -221,11 +221,12 @@ def test_a_socket_path_too_long_for_unix_sockets_is_refused_naming_the_way_out(
         socket_path("engine-dp0")
 
 
-def test_the_client_waits_for_the_socket_and_keeps_its_address_across_a_timeout(
+def test_the_scheduler_takes_the_socket_s_path_once_answered_and_keeps_its_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lookups before worker rank 0 listens are misses; once it does, a fresh socket after
-    a timed-out lookup reconnects; closing leaves neither the socket nor its directory."""
+    """Lookups before worker rank 0 listens are misses. The first answer removes the
+    socket and its directory (nobody else can connect, and nothing is left if the workers
+    are killed); the connection serves on, across a timed-out lookup."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     released = threading.Event()
 
@@ -235,16 +236,20 @@ def test_the_client_waits_for_the_socket_and_keeps_its_address_across_a_timeout(
         return _readable(keys)
 
     path = socket_path("engine-dp0")
-    client = LookupClient(lambda: f"ipc://{path}" if path.exists() else None, timeout_ms=200)
+    client = LookupClient(
+        lambda: f"ipc://{path}" if path.exists() else None,
+        timeout_ms=200,
+        answered=lambda: remove_socket(path),
+    )
     assert client.query(["yes"]) is None  # not listening yet
     make_private(path.parent)
     server = LookupServer(slow_then_fast, f"ipc://{path}")
     assert server.address == f"ipc://{path}"
-    assert client.query(["slow"]) is None  # timed out: the socket is reset
+    assert client.query(["slow"]) is None  # timed out, unanswered
+    assert path.exists()
     released.set()
-    time.sleep(0.3)  # the server answers the abandoned request first
-    assert client.query(["yes-again", "no"]) == [True, False]
+    assert client.query(["yes-again", "no"]) == [True, False]  # not the late reply
+    assert list(tmp_path.iterdir()) == []
+    assert client.query(["yes", "no", "yes-too"]) == [True, False, True]
     client.close()
     server.close()
-    remove_socket(path)
-    assert list(tmp_path.iterdir()) == []

@@ -251,7 +251,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 stages = self.plan.pp_size
                 storing = {g.vllm_group_id: g.heads.storing * stages for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
-            self._client = LookupClient(self._lookup_address, self.config.lookup_timeout_ms)
+            self._client = LookupClient(
+                self._lookup_address, self.config.lookup_timeout_ms, self._take_socket
+            )
             background = background_loads_reason(len(kv_cache_config.kv_cache_groups), self.plan)
             if background is not None and not self.config.load_async:
                 logger.info(
@@ -286,6 +288,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return f"tcp://{LOOPBACK}:{self._lookup_port}"
         path = socket_path(self._instance)
         return f"ipc://{path}" if is_private(path.parent) and path.exists() else None
+
+    def _take_socket(self) -> None:
+        """Connected: no one else may connect, and no file outlives the instance (its
+        workers may be killed before they could remove it)."""
+        if not self._lookup_port:
+            remove_socket(socket_path(self._instance))
 
     @property
     def scheduler_side(self) -> SchedulerSide:

@@ -11,7 +11,9 @@ treats as a miss (recompute), never as a hang.
 Unless a fixed loopback port is configured, worker rank 0 listens on a Unix socket in a
 directory only its user can enter, named by the engine: no other local user can ask it
 anything (a loopback port is open to every user of the host), and the scheduler finds it
-without a port to pass around.
+without a port to pass around. Once answered, the scheduler removes the socket's path
+(its connection stays): nobody else can connect from then on, and no file outlives the
+instance even when its workers are killed.
 """
 
 from __future__ import annotations
@@ -185,13 +187,21 @@ class LookupClient:
     """REQ side; `query` returns None (and warns) instead of waiting past the timeout.
 
     `address` may be a function answering None until the server is known; it is asked
-    from construction on until it answers, and never again.
+    from construction on until it answers, and never again. `answered` is called once,
+    after the first answer: the connection stands, and the scheduler removes the Unix
+    socket's path then, so that nobody else can connect and nothing is left behind.
     """
 
-    def __init__(self, address: str | Callable[[], str | None], timeout_ms: int) -> None:
+    def __init__(
+        self,
+        address: str | Callable[[], str | None],
+        timeout_ms: int,
+        answered: Callable[[], None] | None = None,
+    ) -> None:
         self._find = address if callable(address) else lambda: address
         self._address = self._find()
         self._timeout_ms = timeout_ms
+        self._answered = answered
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
 
@@ -206,15 +216,14 @@ class LookupClient:
         socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        # A request that timed out stays unanswered: the next one goes out on the same
+        # connection, and the late reply is told apart and dropped. The connection, not
+        # the socket's path, is what a lookup needs once answered.
+        socket.setsockopt(zmq.REQ_RELAXED, 1)
+        socket.setsockopt(zmq.REQ_CORRELATE, 1)
         socket.connect(address)
         self._socket = socket
         return socket
-
-    def _reset(self) -> None:
-        # A REQ socket that missed its reply cannot send again: start a fresh one.
-        if self._socket is not None:
-            self._socket.close(0)
-            self._socket = None
 
     def query(self, keys: Sequence[str]) -> list[bool] | None:
         """Readability of every key, or None when the server cannot answer in time."""
@@ -243,18 +252,21 @@ class LookupClient:
             socket.send(_encode(request))
             reply = _decode_reply(socket.recv())
         except zmq.Again:
-            self._reset()
             logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
             return None
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._reset()
             logger.warning("hybridkv %s failed (%s): %s", what, exc, fallback)
             return None
+        if self._answered is not None:
+            answered, self._answered = self._answered, None
+            answered()
         if reply.error is not None:
             logger.warning("hybridkv %s refused: %s", what, reply.error)
             return None
         return reply
 
     def close(self) -> None:
-        self._reset()
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
         self._context.term()
