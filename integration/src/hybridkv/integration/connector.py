@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -220,16 +219,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
-        # A fixed port past 65535 is refused here, not at the first lookup.
-        self._lookup_port = self.config.lookup_port(vllm_config.parallel_config.data_parallel_rank)
+        # A fixed port past 65535, or a socket path too long, is refused here, not at the
+        # first lookup.
+        port = self.config.lookup_port(vllm_config.parallel_config.data_parallel_rank)
+        self._instance = _instance_id(vllm_config)
+        # Worker rank 0's lookup server: the configured loopback port, else a Unix socket
+        # (`_socket_path`, None with a port) whose path the scheduler takes once answered.
+        self._socket_path = None if port else socket_path(self._instance)
+        self._lookup_endpoint = f"tcp://{LOOPBACK}:{port}" if port else f"ipc://{self._socket_path}"
         if self.config.use_layerwise:
             refuse_layerwise_micro_batches(vllm_config)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
         self.keys = KeySpace(
             self.plan, model_name(vllm_config.model_config.model), self.config.namespace
         )
-        self._instance = _instance_id(vllm_config)
-        self._socket: Path | None = None  # worker rank 0's lookup socket, until shut down
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
         self._worker: WorkerSide | None = None
@@ -284,16 +287,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Not vLLM's connector handshake: under a MultiConnector only the first child's
         # handshake metadata reaches the scheduler, so ours could shadow (or be shadowed
         # by) NIXL's. None until worker rank 0 listens.
-        if self._lookup_port:
-            return f"tcp://{LOOPBACK}:{self._lookup_port}"
-        path = socket_path(self._instance)
-        return f"ipc://{path}" if is_private(path.parent) and path.exists() else None
+        path = self._socket_path
+        if path is None or (is_private(path.parent) and path.exists()):
+            return self._lookup_endpoint
+        return None
 
     def _take_socket(self) -> None:
         """Connected: no one else may connect, and no file outlives the instance (its
         workers may be killed before they could remove it)."""
-        if not self._lookup_port:
-            remove_socket(socket_path(self._instance))
+        if self._socket_path is not None:
+            remove_socket(self._socket_path)
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -433,14 +436,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             saves_outlive_step=_preemptions_come_first(self._vllm_config, device),
         )
         if tp_rank == 0 and pp_rank == 0:
-            if self._lookup_port:
-                endpoint = f"tcp://{LOOPBACK}:{self._lookup_port}"
-            else:
-                self._socket = socket_path(self._instance)
-                make_private(self._socket.parent)
-                atexit.register(remove_socket, self._socket)  # if never shut down
-                endpoint = f"ipc://{self._socket}"
-            self._server = LookupServer(engine.batch_is_readable, endpoint, self._remove_from_pool)
+            if self._socket_path is not None:
+                make_private(self._socket_path.parent)
+                atexit.register(remove_socket, self._socket_path)  # if never shut down
+            self._server = LookupServer(
+                engine.batch_is_readable, self._lookup_endpoint, self._remove_from_pool
+            )
 
     def _remove_from_pool(self) -> int:
         # Every stage's objects (this worker's key space renders its own stage's only).
@@ -561,9 +562,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._socket is not None:
-            remove_socket(self._socket)
-            self._socket = None
+            if self._socket_path is not None:
+                remove_socket(self._socket_path)
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -27,11 +27,15 @@ class Quarantine:
         # key -> release time; insertion order is release order (one constant duration).
         self._until: dict[str, float] = {}
 
-    def add(self, keys: Iterable[str]) -> None:
+    def add(self, keys: Iterable[str]) -> int:
+        """Quarantine `keys` from now on; how many of them it did not hold already."""
+        self._release()
         until = self._clock() + self.seconds
+        fresh = 0
         for key in keys:
-            self._until.pop(key, None)  # re-inserted last: released last
+            fresh += self._until.pop(key, None) is None  # re-inserted last: released last
             self._until[key] = until
+        return fresh
 
     def holding(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of `keys` is quarantined (one look at the clock for all)."""

@@ -614,9 +614,7 @@ class SchedulerSide:
             )
             # A key still held failed again (a read looked up before its first failure
             # was reported): one object, counted once.
-            held = self.quarantine.holding(keys)
-            self.quarantined_keys += len({key for key, h in zip(keys, held, strict=True) if not h})
-            self.quarantine.add(keys)
+            self.quarantined_keys += self.quarantine.add(keys)
         for request_id in request_ids:
             self._tracked.pop(request_id, None)
 
