@@ -677,6 +677,35 @@ def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     assert (stats.data["saved_blocks"], stats.data["failed_save_blocks"]) == (2, 1)
 
 
+def test_a_put_another_instance_is_writing_is_announced_only_once_this_one_stored_it(
+    rig: Any,
+) -> None:
+    """Another instance holds an open put session on block 1's key: this save's put of it
+    is answered OK but stores nothing, and that instance may yet give up. So it is
+    neither announced nor counted failed; once the other revoked, the next save stores it
+    and announces it."""
+    worker, _, store = rig
+    events = [_stored_event(index) for index in range(2)]
+    saves = [
+        BlockRef(0, index, index + 1, bytes([1, index]) * 16, events[index]) for index in range(2)
+    ]
+    contended = worker.keys.keys(0, [saves[1].block_hash], [0])[0]
+    other = store.another_client()
+    assert other.put_session_start([contended], [worker.engine.layouts[0].object_size]) == [
+        Status.OK
+    ]
+    _step(worker, [RequestTransfers(request_id="a", saves=saves)])
+    assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[0])]
+    stats = worker.counters.take()
+    assert stats is not None
+    assert stats.data["failed_save_blocks"] == 0
+    assert store.batch_is_readable([contended]) == [False]
+    assert other.put_session_revoke([contended]) == [Status.OK]
+    _step(worker, [RequestTransfers(request_id="a", saves=saves[1:])])
+    assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[1])]
+    assert store.batch_is_readable([contended]) == [True]
+
+
 class _RaisingSaves:
     """A strategy whose step saves settle, then their wait raises (a send thread died)."""
 

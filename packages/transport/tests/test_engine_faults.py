@@ -29,6 +29,7 @@ from hybridkv.transport.errors import Status, StoreUnavailable
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.stale import StaleSessions
 from hybridkv.transport.store import Pointers, Sizes
 from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
@@ -123,6 +124,55 @@ def test_a_commit_that_raises_revokes_its_sessions_and_the_keys_can_be_saved_aga
         outstanding = engine.outstanding("save")
     assert store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
     assert_clean(store, outstanding)
+
+
+@pytest.mark.parametrize("again", [True, False], ids=["saved-again", "closed"])
+def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(again: bool) -> None:
+    """A failed range put's revoke fails too, leaving the session open: the pool would let
+    no one write the key, and this client's every later start on it says INVALID. It is
+    revoked again before the next save opens the key, or at the engine's close."""
+    store = MemoryStore()
+    caches, saves = filled_caches_and_saves(seed=16)
+    broken = saves[1]
+    fail_at_call(store, "put_ranges", 3, [broken.key], Status.TRANSFER_FAILED)
+    store.fail_next("put_session_revoke", [broken.key], Status.RPC_FAILED)
+    with engine_for(store, caches, "layer") as engine:
+        assert save(engine, saves, "layer").failed_keys == [broken.key]
+        assert store.open_put_sessions() == {broken.key}
+        if again:
+            assert save(engine, saves, "layer").ok
+            assert store.open_put_sessions() == set()
+        outstanding = engine.outstanding("save")
+    assert store.batch_is_readable([t.key for t in saves]) == [
+        t is not broken or again for t in saves
+    ]
+    assert_clean(store, outstanding)
+
+
+def test_stale_sessions_remember_exactly_the_revokes_the_pool_did_not_confirm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key failing with a status other than INVALID or NOT_FOUND, or every key of a call
+    that raised, stays remembered until a revoke of it is confirmed."""
+    store = MemoryStore()
+    assert store.put_session_start(["a", "b"], [8, 8]) == [Status.OK, Status.OK]
+    stale = StaleSessions(store)
+    store.fail_next("put_session_revoke", ["a"], Status.RPC_FAILED)
+    stale.revoke(["a", "b", "never-opened"])
+    assert len(stale) == 1
+    assert store.open_put_sessions() == {"a"}
+    revoke = store.put_session_revoke
+
+    def unanswered(keys: Sequence[str]) -> list[Status]:
+        raise StoreUnavailable("master gone")
+
+    monkeypatch.setattr(store, "put_session_revoke", unanswered)
+    stale.revoke_again(["a"])
+    assert len(stale) == 1
+    monkeypatch.setattr(store, "put_session_revoke", revoke)
+    stale.revoke_all()
+    assert len(stale) == 0
+    assert store.open_put_sessions() == set()
 
 
 @pytest.mark.parametrize("mode", ["layer", "staged"])

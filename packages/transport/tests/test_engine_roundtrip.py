@@ -171,8 +171,10 @@ def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
 ) -> None:
     """Two instances computed the same prefix (same bytes) and save it at the same time:
     one holds its put sessions open across its layers ("layer"), the other saves all of
-    it meanwhile, in each mode. The late one fails nothing (its session starts are skipped
-    as existing; its whole puts are answered OK over the open sessions); the first commits
+    it meanwhile, in each mode. The late one fails nothing and stores nothing: its session
+    starts say EXISTS, its whole puts are answered OK over the open sessions, and none of
+    its keys is readable when it settles, so all are contended (the first may still
+    revoke: the late one must not announce them or keep them as stored). The first commits
     every object; nothing stays open and every object reads back exactly."""
     first_store, second_store = two_clients
     prefix = unique_prefix()
@@ -194,8 +196,9 @@ def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
             step.checkpoint()
         committed = step.finish()
     assert meanwhile.ok
-    if late_mode == "layer":  # its sessions could not start: skipped, nothing moved
-        assert sorted(meanwhile.skipped_keys) == sorted(t.key for t in saves)
+    assert sorted(meanwhile.contended_keys) == sorted(t.key for t in saves)
+    assert not meanwhile.skipped_keys
+    if late_mode == "layer":  # its sessions could not start: nothing moved
         assert meanwhile.bytes == 0
     assert committed.ok
     assert not committed.skipped_keys
@@ -207,6 +210,92 @@ def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
         )
     if isinstance(first_store, MemoryStore):
         assert not first_store.open_put_sessions()
+
+
+@pytest.mark.parametrize("late_mode", MODES)
+def test_keys_contended_with_a_writer_that_then_revoked_are_saved_by_the_next_save(
+    two_clients: tuple[Store, Store], late_mode: str
+) -> None:
+    """The other instance gives up on the prefix (its step ends with layers unsaved, so
+    its sessions are revoked): the late one had kept nothing as stored, so the same
+    request's next save writes every object (before, it took them as committed and never
+    wrote them, and none was ever readable)."""
+    first_store, second_store = two_clients
+    blocks = {0: [0, 1], 1: [2], 2: [3, 4]}
+    saves, late_saves, early, late = same_prefix_twice(blocks, seed=6)
+    with engine_for(first_store, early, "layer", backlog=0) as first:
+        step = first.begin_layerwise(saves=saves)
+        step.save_layer(0, CpuEvent())
+        step.checkpoint()
+        with engine_for(second_store, late, late_mode) as second:
+            meanwhile = save(second, late_saves, late_mode)
+            abandoned = step.finish()
+            again = save(second, late_saves, late_mode)
+            owned = second.owned_blocks("late")
+    assert sorted(meanwhile.contended_keys) == sorted(t.key for t in saves)
+    assert sorted(abandoned.failed_keys) == sorted(t.key for t in saves)
+    assert again.ok
+    assert not again.contended_keys
+    assert not again.skipped_keys
+    assert all(block.committed for block in owned.values())
+    assert len(owned) == len(saves)
+    assert_stored(second_store, saves, late)
+
+
+def test_a_ranged_save_skips_what_the_writer_it_met_committed_before_its_own_commit(
+    two_clients: tuple[Store, Store],
+) -> None:
+    """Both instances save layer by layer; the late one's session starts say EXISTS. The
+    first commits before the late one's last layer: at its commit the late one finds the
+    objects readable and counts them skipped, as if its existence query had seen them."""
+    first_store, second_store = two_clients
+    blocks = {0: [0, 1], 1: [2], 2: [3, 4]}
+    saves, late_saves, early, late = same_prefix_twice(blocks, seed=7)
+    with (
+        engine_for(first_store, early, "layer", backlog=0) as first,
+        engine_for(second_store, late, "layer", backlog=0) as second,
+    ):
+        step = first.begin_layerwise(saves=saves)
+        step.save_layer(0, CpuEvent())
+        step.checkpoint()
+        other = second.begin_layerwise(saves=late_saves)
+        other.save_layer(0, CpuEvent())
+        other.checkpoint()  # its session starts ran (before its first layer)
+        for layer in range(1, NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        committed = step.finish()
+        for layer in range(1, NUM_LAYERS):
+            other.save_layer(layer, CpuEvent())
+        skipped = other.finish()
+        owned = second.owned_blocks("late")
+    assert committed.ok
+    assert skipped.ok
+    assert sorted(skipped.skipped_keys) == sorted(t.key for t in saves)
+    assert not skipped.contended_keys
+    assert skipped.bytes == 0
+    assert all(block.committed for block in owned.values())
+    assert_stored(second_store, saves, early)
+
+
+def same_prefix_twice(
+    blocks: dict[int, list[int]], seed: int
+) -> tuple[list[BlockTransfer], list[BlockTransfer], Caches, Caches]:
+    """Saves of one prefix by two instances (requests "req" and "late"), and their caches
+    holding the same bytes."""
+    prefix = unique_prefix()
+    early, late = Caches(num_blocks=8, seed=seed), Caches(num_blocks=8, seed=seed)
+    early.fill()
+    late.fill()
+    return transfers(blocks, prefix=prefix), transfers(blocks, "late", prefix), early, late
+
+
+def assert_stored(store: Store, saves: list[BlockTransfer], caches: Caches) -> None:
+    assert store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
+    for transfer in saves:
+        size = caches.layouts[transfer.group].object_size
+        assert read_object(store, transfer.key, size) == caches.block_bytes(
+            transfer.group, transfer.local_block
+        )
 
 
 @pytest.mark.parametrize(

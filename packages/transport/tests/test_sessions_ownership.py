@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
+import msgspec
 import pytest
 from _engine_drive import MODES, engine_for, load, read_object, save, unique_prefix
 from _engine_model import NUM_LAYERS, Caches, transfers
@@ -111,6 +112,30 @@ def test_a_rider_sees_the_failure_of_the_write_it_rode_on(mode: str) -> None:
     assert riding.failed_keys == [failing]
     assert riding.failed_blocks == {0: {2}}  # b's own local block, not a's
     assert store.batch_is_readable([t.key for t in writer_saves]) == [True, False]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rider_of_a_write_another_instance_contended_is_contended_too(mode: str) -> None:
+    """Another instance holds the key's put session: the write this save rides on stores
+    nothing and fails nothing, and so does the rider."""
+    store = MemoryStore()
+    caches = Caches(num_blocks=4, seed=7)
+    caches.fill()
+    writer_saves = transfers({0: [0]}, "a", unique_prefix())
+    contended = writer_saves[0].key
+    other = store.another_client()
+    assert other.put_session_start([contended], [caches.layouts[0].object_size]) == [Status.OK]
+    with engine_for(store, caches, mode) as engine:
+        step = engine.begin_layerwise(saves=writer_saves)
+        ticket = engine.save([msgspec.structs.replace(writer_saves[0], request_id="b")])
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        written = step.finish()
+        riding = ticket.wait(timeout=10)
+    for result in (written, riding):
+        assert result.ok
+        assert result.contended_keys == [contended]
+    assert store.batch_is_readable([contended]) == [False]
 
 
 def test_a_rider_whose_write_settles_right_after_its_claim_waits_for_its_own_writes(

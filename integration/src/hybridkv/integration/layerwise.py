@@ -231,7 +231,9 @@ class VllmLayerwise:
         # No seconds: the transport's clock spans the whole forward; the exposed tail
         # (take_stats) is what layerwise transfer costs.
         saved = TransferResult(
-            failed_keys=result.failed_keys, bytes=max(result.bytes - loaded.bytes, 0)
+            failed_keys=result.failed_keys,
+            contended_keys=result.contended_keys,
+            bytes=max(result.bytes - loaded.bytes, 0),
         )
         return lambda: saved
 

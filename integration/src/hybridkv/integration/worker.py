@@ -277,8 +277,9 @@ class WorkerSide:
                 save_seconds=result.seconds,
                 failed_save_blocks=len(result.failed_keys),
             )
-            failed = set(result.failed_keys)
-            self._stored.extend(event for key, event in announce.items() if key not in failed)
+            # A contended key was another instance's to store: that one announces it.
+            unstored = {*result.failed_keys, *result.contended_keys}
+            self._stored.extend(event for key, event in announce.items() if key not in unstored)
 
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """The step's metadata is bound, the forward not started: hand the strategy its plan."""

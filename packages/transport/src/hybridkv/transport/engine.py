@@ -41,6 +41,7 @@ from hybridkv.transport.sessions import (
     group_batches,
 )
 from hybridkv.transport.staging import StagingPool
+from hybridkv.transport.stale import StaleSessions
 from hybridkv.transport.store import Store
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class TransferEngine:
         self.backlog = Backlog(self.options.backlog)
         self._pressure = PoolPressure(self.options.full_pool_pause_s)
         self._ownership = Ownership()
+        self._stale = StaleSessions(store)
         self._tracker = RequestTracker()
         self._lock = threading.Lock()
         self._closed = False
@@ -146,6 +148,7 @@ class TransferEngine:
                 group_batches(self.layouts, claim.write),
                 outcome,
                 self.staging,
+                stale=self._stale,
             )
 
             def work() -> None:
@@ -259,6 +262,7 @@ class TransferEngine:
                     log.exception("layerwise step failed while the engine closed")
             self._sender.close()
             self._receiver.close()
+            self._stale.revoke_all()
             if self.staging is not None:
                 self.staging.close()
             self._unregister_buffers()
@@ -344,6 +348,7 @@ class TransferEngine:
         that ran tells the pool pressure whether the pool had room."""
         if writes.prepared:
             self._pressure.settled(writes.outcome.no_space, took=writes.outcome.moved_any)
+        contended = writes.outcome.contended_set()
         for transfer in claim.write:
             committed = transfer.key in writes.committed
             riders = self._ownership.settle(transfer.key, committed)
@@ -351,7 +356,11 @@ class TransferEngine:
             self._tracker.end("save", [transfer.request_id, *rider_requests])
             for rider in riders:
                 rider.outcome.rode(
-                    rider.transfer.group, transfer.key, rider.transfer.local_block, committed
+                    rider.transfer.group,
+                    transfer.key,
+                    rider.transfer.local_block,
+                    committed,
+                    contended=transfer.key in contended,
                 )
 
     def _end_steps_before(self, step: LayerwiseStep) -> None:
@@ -404,6 +413,7 @@ class LayerwiseStep:
             group_batches(engine.layouts, self._claim.write),
             self._save_outcome,
             engine.staging,
+            stale=engine._stale,
         )
         self._save_layers = self._writes.layers
         self._group_layers = self._writes.group_layers()

@@ -61,7 +61,9 @@ class Rider:
 class RideOutcome(Protocol):
     def ride(self, count: int) -> None: ...
 
-    def rode(self, group: int, key: str, block: int, committed: bool) -> None: ...
+    def rode(
+        self, group: int, key: str, block: int, committed: bool, contended: bool = False
+    ) -> None: ...
 
 
 class Ownership:

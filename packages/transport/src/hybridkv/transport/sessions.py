@@ -35,6 +35,7 @@ from hybridkv.transport.layout import BlockIds, GroupLayout, Ranges
 from hybridkv.transport.ownership import BlockTransfer
 from hybridkv.transport.pipeline import PipelineOptions
 from hybridkv.transport.staging import Bytes, Slab, StagingPool, host_view
+from hybridkv.transport.stale import StaleSessions
 from hybridkv.transport.store import Store
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class TransferResult(msgspec.Struct):
     failed_blocks: dict[int, set[int]] = msgspec.field(default_factory=dict)
     failed_keys: list[str] = msgspec.field(default_factory=list)
     skipped_keys: list[str] = msgspec.field(default_factory=list)
+    # Keys another client was writing when this save ran, not readable when it settled:
+    # neither stored by this save nor failed by it.
+    contended_keys: list[str] = msgspec.field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
 
@@ -69,6 +73,7 @@ class TransferResult(msgspec.Struct):
             failed_blocks=failed,
             failed_keys=self.failed_keys + other.failed_keys,
             skipped_keys=self.skipped_keys + other.skipped_keys,
+            contended_keys=self.contended_keys + other.contended_keys,
             bytes=self.bytes + other.bytes,
             seconds=max(self.seconds, other.seconds),
         )
@@ -88,10 +93,15 @@ class Outcome:
         with self._lock:
             self._riding += count
 
-    def rode(self, group: int, key: str, block: int, committed: bool) -> None:
-        """The write this outcome rode on settled: its failure is this outcome's too."""
+    def rode(
+        self, group: int, key: str, block: int, committed: bool, contended: bool = False
+    ) -> None:
+        """The write this outcome rode on settled: its failure (or contention) is this
+        outcome's too."""
         with self._lock:
-            if not committed:
+            if contended:
+                self._result.contended_keys.append(key)
+            elif not committed:
                 self._result.failed_keys.append(key)
                 self._result.failed_blocks.setdefault(group, set()).add(block)
             self._riding -= 1
@@ -119,6 +129,14 @@ class Outcome:
     def skipped(self, keys: Iterable[str]) -> None:
         with self._lock:
             self._result.skipped_keys.extend(keys)
+
+    def contended(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._result.contended_keys.extend(keys)
+
+    def contended_set(self) -> set[str]:
+        with self._lock:
+            return set(self._result.contended_keys)
 
     def failed(self, group: int, keys: Iterable[str], blocks: Iterable[int]) -> None:
         with self._lock:
@@ -516,10 +534,16 @@ class Writes(Transfers, ABC):
         batches: dict[int, GroupBatch],
         outcome: Outcome,
         pool: StagingPool | None = None,
+        *,
+        stale: StaleSessions,
     ) -> None:
         super().__init__(store, options, batches, outcome, pool)
+        self.stale = stale
         self._missing = {group: set(batch.layout.layers) for group, batch in batches.items()}
         self.committed: set[str] = set()
+        # Ranged sessions, per group: rows whose session start said EXISTS (another client's
+        # session or object), settled at the group's commit by whether the pool reads them.
+        self._contested: dict[int, list[int]] = {}
         self.prepared = False  # ran (not failed at once while a full pool pauses saves)
 
     @property
@@ -576,6 +600,26 @@ class Writes(Transfers, ABC):
     def _commit_rows(self, rows: Iterable[tuple[GroupBatch, int]]) -> None:
         self.committed.update(batch.keys[row] for batch, row in rows)
 
+    def _confirm(self, rows: Sequence[tuple[GroupBatch, int]]) -> None:
+        """Take the rows the pool cannot read now out of the save, as contended.
+
+        Another client's open session on a key answers our session start with EXISTS and
+        our whole put with OK, writing nothing, and that writer may yet revoke: such a key
+        is neither ours to announce or keep as stored, nor a failure of ours.
+        """
+        if not rows:
+            return
+        keys = [batch.keys[row] for batch, row in rows]
+        try:
+            readable = self.store.batch_is_readable(keys)
+        except StoreError as exc:
+            log.warning("readability check of %d keys failed: %s", len(keys), exc)
+            readable = [False] * len(keys)
+        unread = [placed for placed, ok in zip(rows, readable, strict=True) if not ok]
+        for batch, row in unread:
+            batch.alive[row] = False
+        self.outcome.contended(batch.keys[row] for batch, row in unread)
+
     @abstractmethod
     def open(self) -> None: ...
 
@@ -594,6 +638,7 @@ class RangedWrites(Writes):
 
     def open(self) -> None:
         call = self.whole_call(self.batches.values())
+        self.stale.revoke_again(call.keys)
         try:
             self._open(call)
         except BaseException:
@@ -620,8 +665,9 @@ class RangedWrites(Writes):
                     exists.append(placed)
                 elif not status.ok:
                     failed.append(placed)
-        for batch, row in exists:  # committed by another writer since the existence query
-            self._skip(batch, np.array([row]))
+        for batch, row in exists:  # another writer's since the existence query: see at commit
+            batch.alive[row] = False
+            self._contested.setdefault(batch.layout.group_id, []).append(row)
         self.fail(failed)
 
     def write_ranges(self, layer: int) -> None:
@@ -642,6 +688,20 @@ class RangedWrites(Writes):
         return True
 
     def commit(self, batches: Sequence[GroupBatch]) -> None:
+        contested = self._take_contested(batches)
+        try:
+            self._end_sessions(batches)
+        except BaseException:
+            self.outcome.contended(batch.keys[row] for batch, row in contested)
+            raise
+        for batch, row in contested:
+            batch.alive[row] = True
+        self._confirm(contested)
+        for batch, row in contested:
+            if batch.alive[row]:  # the other writer committed it: as if skipped at the query
+                self._skip(batch, np.array([row]))
+
+    def _end_sessions(self, batches: Sequence[GroupBatch]) -> None:
         rows = [(batch, int(row)) for batch in batches for row in batch.live()]
         keys = [batch.keys[row] for batch, row in rows]
         if not keys:
@@ -668,14 +728,19 @@ class RangedWrites(Writes):
     def drop(self, batches: Sequence[GroupBatch]) -> None:
         self._revoke([key for batch in batches for key in batch.keys_of(batch.live())])
         self.fail_all(batches)
+        contested = self._take_contested(batches)
+        self.outcome.contended(batch.keys[row] for batch, row in contested)
+
+    def _take_contested(self, batches: Sequence[GroupBatch]) -> list[tuple[GroupBatch, int]]:
+        """The batches' rows another client was writing at the session start."""
+        return [
+            (batch, row)
+            for batch in batches
+            for row in self._contested.pop(batch.layout.group_id, [])
+        ]
 
     def _revoke(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        try:
-            self.store.put_session_revoke(keys)
-        except StoreError as exc:
-            log.warning("put_session_revoke of %d keys failed: %s", len(keys), exc)
+        self.stale.revoke(keys)
 
 
 class WholeWrites(Writes):
@@ -705,6 +770,7 @@ class WholeWrites(Writes):
         if not call.keys:
             return
         self.fail(put(call))
+        self._confirm([(batch, row) for batch, row in call.rows if batch.alive[row]])
         self._commit_rows((batch, row) for batch, row in call.rows if batch.alive[row])
         for batch, row in call.rows:
             batch.alive[row] = False
