@@ -14,6 +14,7 @@ import zmq
 from hybridkv.integration.lookup import (
     LookupClient,
     LookupServer,
+    claim_socket,
     is_private,
     make_private,
     remove_socket,
@@ -211,6 +212,28 @@ def test_the_lookup_socket_sits_where_only_this_user_can_reach_it(
     path.parent.symlink_to(elsewhere)
     with pytest.raises(PermissionError, match=str(path.parent)):
         make_private(path.parent)
+
+
+def test_a_socket_another_instance_listens_on_is_refused_and_a_dead_one_taken_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two instances on one host given one engine id would share the socket path: the
+    second must not bind over the first's live socket (its scheduler's lookups and resets
+    would reach the wrong worker); a socket left by a killed worker is taken over."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = socket_path("shared-dp0")
+    claim_socket(path, "shared-dp0")
+    running = LookupServer(_readable, f"ipc://{path}")
+    with pytest.raises(RuntimeError, match=r"'shared-dp0'.*its own kv_transfer_config engine_id"):
+        claim_socket(path, "shared-dp0")
+    running.close()
+    assert path.exists()  # left behind, as by a killed worker
+    claim_socket(path, "shared-dp0")
+    second = LookupServer(_readable, f"ipc://{path}")
+    client = LookupClient(lambda: f"ipc://{path}", timeout_ms=2000)
+    assert client.query(["yes", "no"]) == [True, False]
+    client.close()
+    second.close()
 
 
 def test_a_socket_path_too_long_for_unix_sockets_is_refused_naming_the_way_out(

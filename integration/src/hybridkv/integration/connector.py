@@ -32,8 +32,8 @@ from hybridkv.integration.lookup import (
     LOOPBACK,
     LookupClient,
     LookupServer,
+    claim_socket,
     is_private,
-    make_private,
     remove_socket,
     socket_path,
 )
@@ -437,7 +437,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if tp_rank == 0 and pp_rank == 0:
             if self._socket_path is not None:
-                make_private(self._socket_path.parent)
+                claim_socket(self._socket_path, self._instance)
                 atexit.register(remove_socket, self._socket_path)  # if never shut down
             self._server = LookupServer(
                 engine.batch_is_readable, self._lookup_endpoint, self._remove_from_pool

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 import stat
 import tempfile
 import threading
@@ -96,6 +97,27 @@ def make_private(directory: Path) -> None:
             f"{directory} must be a directory of this user's alone (mode 0700) to hold the "
             f"lookup socket: remove it, or set TMPDIR elsewhere, or set lookup_rpc_port"
         )
+
+
+def claim_socket(path: Path, instance: str) -> None:
+    """Ready the socket's private directory for `instance`'s worker to bind in.
+
+    A socket some process still listens on belongs to a running instance of the same id
+    (two instances on this host given one engine id): binding over it would hand that
+    instance's scheduler our answers and our cache resets. A socket nobody listens on is a
+    killed instance's, taken over.
+    """
+    make_private(path.parent)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(os.fspath(path))
+        except OSError:
+            return
+    raise RuntimeError(
+        f"hybridkv: another process listens for lookups at {path}, an instance with the id "
+        f"{instance!r}: give each instance on this host its own kv_transfer_config "
+        "engine_id, or set lookup_rpc_port"
+    )
 
 
 def remove_socket(path: Path) -> None:
