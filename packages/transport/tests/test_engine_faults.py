@@ -126,11 +126,14 @@ def test_a_commit_that_raises_revokes_its_sessions_and_the_keys_can_be_saved_aga
     assert_clean(store, outstanding)
 
 
-@pytest.mark.parametrize("again", [True, False], ids=["saved-again", "closed"])
-def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(again: bool) -> None:
+@pytest.mark.parametrize("again", ["layer", "whole", None], ids=["layer", "whole", "closed"])
+def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(
+    again: str | None,
+) -> None:
     """A failed range put's revoke fails too, leaving the session open: the pool would let
-    no one write the key, and this client's every later start on it says INVALID. It is
-    revoked again before the next save opens the key, or at the engine's close."""
+    no one write the key, this client's every later start on it says INVALID and its whole
+    put OK without writing. It is revoked again before the next save of the key, layer by
+    layer or whole, or at the engine's close."""
     store = MemoryStore()
     caches, saves = filled_caches_and_saves(seed=16)
     broken = saves[1]
@@ -139,14 +142,43 @@ def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(again
     with engine_for(store, caches, "layer") as engine:
         assert save(engine, saves, "layer").failed_keys == [broken.key]
         assert store.open_put_sessions() == {broken.key}
-        if again:
-            assert save(engine, saves, "layer").ok
+        if again is not None:
+            result = save(engine, saves, again)
+            assert result.ok
+            assert not result.contended_keys
             assert store.open_put_sessions() == set()
         outstanding = engine.outstanding("save")
-    assert store.batch_is_readable([t.key for t in saves]) == [
-        t is not broken or again for t in saves
-    ]
+    readable = [t is not broken or again is not None for t in saves]
+    assert store.batch_is_readable([t.key for t in saves]) == readable
     assert_clean(store, outstanding)
+
+
+@pytest.mark.parametrize("mode", ["whole", "layer"])
+def test_an_unanswered_readability_check_keeps_our_puts_and_contends_another_writers(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check after a put gets no answer: a whole put's OK is taken as ours (it nearly
+    always is), a key whose session start said EXISTS stays another writer's."""
+    store = MemoryStore()
+    caches, saves = filled_caches_and_saves(seed=17)
+    theirs = saves[0]
+    other = store.another_client()
+    size = caches.layouts[theirs.group].object_size
+    assert other.put_session_start([theirs.key], [size]) == [Status.OK]
+    query, calls = store.batch_is_readable, itertools.count()
+
+    def existence_query_only(keys: Sequence[str]) -> list[bool]:
+        if next(calls):
+            raise StoreUnavailable("master gone")
+        return query(keys)
+
+    monkeypatch.setattr(store, "batch_is_readable", existence_query_only)
+    with engine_for(store, caches, mode) as engine:
+        result = save(engine, saves, mode)
+    monkeypatch.undo()
+    assert result.ok
+    assert result.contended_keys == ([theirs.key] if mode == "layer" else [])
+    assert store.batch_is_readable([t.key for t in saves]) == [t is not theirs for t in saves]
 
 
 def test_stale_sessions_remember_exactly_the_revokes_the_pool_did_not_confirm(

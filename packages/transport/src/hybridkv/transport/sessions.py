@@ -560,7 +560,8 @@ class Writes(Transfers, ABC):
         return False
 
     def prepare(self) -> None:
-        """Skip keys the pool already holds (one existence query), then open the rest."""
+        """Skip keys the pool already holds (one existence query), then open the rest
+        (first revoking again sessions of theirs a revoke may have left open)."""
         self.prepared = True
         keys = [key for batch in self.batches.values() for key in batch.keys]
         try:
@@ -572,6 +573,9 @@ class Writes(Transfers, ABC):
         for batch in self.batches.values():
             present = np.fromiter(readable, dtype=bool, count=len(batch.keys))
             self._skip(batch, np.flatnonzero(present))
+        self.stale.revoke_again(
+            key for batch in self.batches.values() for key in batch.keys_of(batch.live())
+        )
         self.open()
 
     def write_layer(self, layer: int) -> None:
@@ -600,12 +604,13 @@ class Writes(Transfers, ABC):
     def _commit_rows(self, rows: Iterable[tuple[GroupBatch, int]]) -> None:
         self.committed.update(batch.keys[row] for batch, row in rows)
 
-    def _confirm(self, rows: Sequence[tuple[GroupBatch, int]]) -> None:
+    def _confirm(self, rows: Sequence[tuple[GroupBatch, int]], unanswered: bool) -> None:
         """Take the rows the pool cannot read now out of the save, as contended.
 
         Another client's open session on a key answers our session start with EXISTS and
         our whole put with OK, writing nothing, and that writer may yet revoke: such a key
-        is neither ours to announce or keep as stored, nor a failure of ours.
+        is neither ours to announce or keep as stored, nor a failure of ours. `unanswered`:
+        whether the rows count as readable if the pool gives no answer.
         """
         if not rows:
             return
@@ -614,7 +619,7 @@ class Writes(Transfers, ABC):
             readable = self.store.batch_is_readable(keys)
         except StoreError as exc:
             log.warning("readability check of %d keys failed: %s", len(keys), exc)
-            readable = [False] * len(keys)
+            readable = [unanswered] * len(keys)
         unread = [placed for placed, ok in zip(rows, readable, strict=True) if not ok]
         for batch, row in unread:
             batch.alive[row] = False
@@ -638,7 +643,6 @@ class RangedWrites(Writes):
 
     def open(self) -> None:
         call = self.whole_call(self.batches.values())
-        self.stale.revoke_again(call.keys)
         try:
             self._open(call)
         except BaseException:
@@ -696,7 +700,7 @@ class RangedWrites(Writes):
             raise
         for batch, row in contested:
             batch.alive[row] = True
-        self._confirm(contested)
+        self._confirm(contested, unanswered=False)  # they were another writer's
         for batch, row in contested:
             if batch.alive[row]:  # the other writer committed it: as if skipped at the query
                 self._skip(batch, np.array([row]))
@@ -770,7 +774,10 @@ class WholeWrites(Writes):
         if not call.keys:
             return
         self.fail(put(call))
-        self._confirm([(batch, row) for batch, row in call.rows if batch.alive[row]])
+        # Unanswered, an OK is taken as ours: it nearly always is.
+        self._confirm(
+            [(batch, row) for batch, row in call.rows if batch.alive[row]], unanswered=True
+        )
         self._commit_rows((batch, row) for batch, row in call.rows if batch.alive[row])
         for batch, row in call.rows:
             batch.alive[row] = False
