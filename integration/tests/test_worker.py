@@ -29,6 +29,7 @@ from hybridkv.transport import (
     CpuEvent,
     GroupLayout,
     MemoryStore,
+    PipelineOptions,
     Status,
     TransferEngine,
     TransferResult,
@@ -678,32 +679,36 @@ def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
 
 
 def test_a_put_another_instance_is_writing_is_announced_only_once_this_one_stored_it(
-    rig: Any,
+    vllm_specs: Any,
 ) -> None:
-    """Another instance holds an open put session on block 1's key: this save's put of it
-    is answered OK but stores nothing, and that instance may yet give up. So it is
-    neither announced nor counted failed; once the other revoked, the next save stores it
-    and announces it."""
-    worker, _, store = rig
+    """Saving layer by layer (put sessions), block 1's session start meets another
+    instance's open session, and that instance may yet give up: block 1 is neither
+    announced nor counted failed. Once the other revoked, the next save stores it and
+    announces it."""
+    keys, _, layouts = _model(vllm_specs)
+    store = MemoryStore()
+    engine = TransferEngine(store, layouts, PipelineOptions(granularity="layer"))
+    worker = WorkerSide(keys, engine, _layerwise(engine), 0, CpuEvent)
     events = [_stored_event(index) for index in range(2)]
     saves = [
         BlockRef(0, index, index + 1, bytes([1, index]) * 16, events[index]) for index in range(2)
     ]
-    contended = worker.keys.keys(0, [saves[1].block_hash], [0])[0]
+    contended = keys.keys(0, [saves[1].block_hash], [0])[0]
     other = store.another_client()
-    assert other.put_session_start([contended], [worker.engine.layouts[0].object_size]) == [
-        Status.OK
-    ]
-    _step(worker, [RequestTransfers(request_id="a", saves=saves)])
-    assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[0])]
-    stats = worker.counters.take()
-    assert stats is not None
-    assert stats.data["failed_save_blocks"] == 0
-    assert store.batch_is_readable([contended]) == [False]
-    assert other.put_session_revoke([contended]) == [Status.OK]
-    _step(worker, [RequestTransfers(request_id="a", saves=saves[1:])])
-    assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[1])]
-    assert store.batch_is_readable([contended]) == [True]
+    assert other.put_session_start([contended], [layouts[0].object_size]) == [Status.OK]
+    try:
+        _step(worker, [RequestTransfers(request_id="a", saves=saves)])
+        assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[0])]
+        stats = worker.counters.take()
+        assert stats is not None
+        assert stats.data["failed_save_blocks"] == 0
+        assert store.batch_is_readable([contended]) == [False]
+        assert other.put_session_revoke([contended]) == [Status.OK]
+        _step(worker, [RequestTransfers(request_id="a", saves=saves[1:])])
+        assert [(e.head, e.event) for e in worker.take_stored_events()] == [(0, events[1])]
+        assert store.batch_is_readable([contended]) == [True]
+    finally:
+        worker.close()
 
 
 class _RaisingSaves:

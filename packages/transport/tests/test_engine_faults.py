@@ -143,9 +143,7 @@ def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(
         assert save(engine, saves, "layer").failed_keys == [broken.key]
         assert store.open_put_sessions() == {broken.key}
         if again is not None:
-            result = save(engine, saves, again)
-            assert result.ok
-            assert not result.contended_keys
+            assert save(engine, saves, again).ok
             assert store.open_put_sessions() == set()
         outstanding = engine.outstanding("save")
     readable = [t is not broken or again is not None for t in saves]
@@ -153,12 +151,11 @@ def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(
     assert_clean(store, outstanding)
 
 
-@pytest.mark.parametrize("mode", ["whole", "layer"])
-def test_an_unanswered_readability_check_keeps_our_puts_and_contends_another_writers(
-    mode: str, monkeypatch: pytest.MonkeyPatch
+def test_a_key_another_writer_held_stays_contended_when_the_check_gets_no_answer(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The check after a put gets no answer: a whole put's OK is taken as ours (it nearly
-    always is), a key whose session start said EXISTS stays another writer's."""
+    """The check at the commit of a key whose session start said EXISTS gets no answer:
+    the key stays the other writer's (contended); ours commit."""
     store = MemoryStore()
     caches, saves = filled_caches_and_saves(seed=17)
     theirs = saves[0]
@@ -173,11 +170,11 @@ def test_an_unanswered_readability_check_keeps_our_puts_and_contends_another_wri
         return query(keys)
 
     monkeypatch.setattr(store, "batch_is_readable", existence_query_only)
-    with engine_for(store, caches, mode) as engine:
-        result = save(engine, saves, mode)
+    with engine_for(store, caches, "layer") as engine:
+        result = save(engine, saves, "layer")
     monkeypatch.undo()
     assert result.ok
-    assert result.contended_keys == ([theirs.key] if mode == "layer" else [])
+    assert result.contended_keys == [theirs.key]
     assert store.batch_is_readable([t.key for t in saves]) == [t is not theirs for t in saves]
 
 

@@ -114,8 +114,7 @@ def test_a_rider_sees_the_failure_of_the_write_it_rode_on(mode: str) -> None:
     assert store.batch_is_readable([t.key for t in writer_saves]) == [True, False]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_rider_of_a_write_another_instance_contended_is_contended_too(mode: str) -> None:
+def test_a_rider_of_a_write_another_instance_contended_is_contended_too() -> None:
     """Another instance holds the key's put session: the write this save rides on stores
     nothing and fails nothing, and so does the rider."""
     store = MemoryStore()
@@ -125,7 +124,7 @@ def test_a_rider_of_a_write_another_instance_contended_is_contended_too(mode: st
     contended = writer_saves[0].key
     other = store.another_client()
     assert other.put_session_start([contended], [caches.layouts[0].object_size]) == [Status.OK]
-    with engine_for(store, caches, mode) as engine:
+    with engine_for(store, caches, "layer") as engine:
         step = engine.begin_layerwise(saves=writer_saves)
         ticket = engine.save([msgspec.structs.replace(writer_saves[0], request_id="b")])
         for layer in range(NUM_LAYERS):

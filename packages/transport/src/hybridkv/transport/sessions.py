@@ -604,27 +604,6 @@ class Writes(Transfers, ABC):
     def _commit_rows(self, rows: Iterable[tuple[GroupBatch, int]]) -> None:
         self.committed.update(batch.keys[row] for batch, row in rows)
 
-    def _confirm(self, rows: Sequence[tuple[GroupBatch, int]], unanswered: bool) -> None:
-        """Take the rows the pool cannot read now out of the save, as contended.
-
-        Another client's open session on a key answers our session start with EXISTS and
-        our whole put with OK, writing nothing, and that writer may yet revoke: such a key
-        is neither ours to announce or keep as stored, nor a failure of ours. `unanswered`:
-        whether the rows count as readable if the pool gives no answer.
-        """
-        if not rows:
-            return
-        keys = [batch.keys[row] for batch, row in rows]
-        try:
-            readable = self.store.batch_is_readable(keys)
-        except StoreError as exc:
-            log.warning("readability check of %d keys failed: %s", len(keys), exc)
-            readable = [unanswered] * len(keys)
-        unread = [placed for placed, ok in zip(rows, readable, strict=True) if not ok]
-        for batch, row in unread:
-            batch.alive[row] = False
-        self.outcome.contended(batch.keys[row] for batch, row in unread)
-
     @abstractmethod
     def open(self) -> None: ...
 
@@ -698,12 +677,7 @@ class RangedWrites(Writes):
         except BaseException:
             self.outcome.contended(batch.keys[row] for batch, row in contested)
             raise
-        for batch, row in contested:
-            batch.alive[row] = True
-        self._confirm(contested, unanswered=False)  # they were another writer's
-        for batch, row in contested:
-            if batch.alive[row]:  # the other writer committed it: as if skipped at the query
-                self._skip(batch, np.array([row]))
+        self._settle_contested(contested)
 
     def _end_sessions(self, batches: Sequence[GroupBatch]) -> None:
         rows = [(batch, int(row)) for batch in batches for row in batch.live()]
@@ -734,6 +708,29 @@ class RangedWrites(Writes):
         self.fail_all(batches)
         contested = self._take_contested(batches)
         self.outcome.contended(batch.keys[row] for batch, row in contested)
+
+    def _settle_contested(self, rows: list[tuple[GroupBatch, int]]) -> None:
+        """Rows whose session start said EXISTS: another client's session on the key (it
+        may yet revoke) or object. Readable now, they count as skipped; else as contended,
+        neither stored by us (not announced, not owned) nor failed.
+
+        (Whole puts over another client's session are answered OK and count as stored:
+        checking them too would lease every object just written, and a lease keeps it
+        from a cache reset's removal and from eviction.)
+        """
+        if not rows:
+            return
+        keys = [batch.keys[row] for batch, row in rows]
+        try:
+            readable = self.store.batch_is_readable(keys)
+        except StoreError as exc:
+            log.warning("readability check of %d keys failed: %s", len(keys), exc)
+            readable = [False] * len(keys)
+        for (batch, row), ok in zip(rows, readable, strict=True):
+            if ok:
+                self._skip(batch, np.array([row]))
+            else:
+                self.outcome.contended([batch.keys[row]])
 
     def _take_contested(self, batches: Sequence[GroupBatch]) -> list[tuple[GroupBatch, int]]:
         """The batches' rows another client was writing at the session start."""
@@ -774,10 +771,6 @@ class WholeWrites(Writes):
         if not call.keys:
             return
         self.fail(put(call))
-        # Unanswered, an OK is taken as ours: it nearly always is.
-        self._confirm(
-            [(batch, row) for batch, row in call.rows if batch.alive[row]], unanswered=True
-        )
         self._commit_rows((batch, row) for batch, row in call.rows if batch.alive[row])
         for batch, row in call.rows:
             batch.alive[row] = False
