@@ -338,8 +338,14 @@ def test_a_readable_callable_must_answer_true_or_false(answer: object) -> None:
         coord.find_hit(63, lambda group, block: block < 2 or answer)  # type: ignore[arg-type,return-value]
 
 
-@pytest.mark.parametrize("column", [[T, T, 2, T], [T, None], "", b""])
+@pytest.mark.parametrize(
+    "column",
+    [[T, T, 2, T], [T, None], "", b"", {1}, frozenset({0, 1}), {0: T, 1: T}],
+    ids=["two", "none", "str", "bytes", "set", "frozenset", "mapping"],
+)
 def test_a_readable_column_must_be_a_sequence_of_bools(column: Any) -> None:
+    """A set of block indices or a mapping would be read in iteration order: {1} as
+    "block 0 readable"."""
     coord = Coordinator([FullAttention(16), RecurrentState(16)])
     with pytest.raises(ValueError, match=r"readable\[1\] must "):
         coord.find_hit(63, [[T] * 4, column])

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol, TypeAlias
@@ -386,7 +387,8 @@ class Coordinator:
             raise ValueError(f"readable has {len(readable)} entries for {len(self._groups)} groups")
         columns: list[_Column] = []
         for group, (kind, given) in enumerate(zip(self._groups, readable, strict=True)):
-            if isinstance(given, (str, bytes, bytearray)):
+            # Unordered (a set of indices, a mapping) would be read by iteration order.
+            if isinstance(given, (str, bytes, bytearray, AbstractSet, Mapping)):
                 raise ValueError(
                     f"readable[{group}] must be a sequence of bools, got a {type(given).__name__}"
                 )
