@@ -663,12 +663,16 @@ def test_consumer_role_neither_loads_nor_saves_unless_told(vllm_specs: Any) -> N
     for config, expect_load, expect_save in [
         (ConnectorConfig(), False, False),
         (ConnectorConfig(consumer_is_to_load=True, consumer_is_to_put=True), True, True),
+        (ConnectorConfig(consumer_is_to_put=True), False, True),
+        (ConnectorConfig(consumer_is_to_load=True), True, False),
     ]:
         side = SchedulerSide(KeySpace(plan, "tiny"), config, pool.query, "kv_consumer")
         hit = side.num_new_matched_tokens(request("r", TOKENS), 0)
         assert hit == ((192, False) if expect_load else (0, False))
         side.forget("r")
-        side.num_new_matched_tokens(request("s", TOKENS[:100]), 0)
+        fresh = request("s", TOKENS[:100])
+        side.num_new_matched_tokens(fresh, 0)
+        side.after_alloc(fresh, ([1, 2, 3, 4],), 0)  # as vLLM calls it, hit or not
         meta = side.build_meta(scheduler_output(new=[("s", ([1, 2, 3, 4],), 0, 100)]))
         assert bool(meta.requests) == expect_save
 

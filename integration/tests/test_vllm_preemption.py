@@ -85,10 +85,12 @@ def test_preempted_requests_resume_from_the_pool_with_vllms_output(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     preempted: list[str] = []
+    dropped: list[bool] = []  # whether vLLM threw away each preempted request's late output
     original = Scheduler._preempt_request
 
     def counting(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         preempted.append(request.request_id)
+        dropped.append(kwargs.get("drop_stale_output", False))
         original(self, request, *args, **kwargs)
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counting)
@@ -99,8 +101,12 @@ def test_preempted_requests_resume_from_the_pool_with_vllms_output(
     assert preempted, "the block budget must force preemption"
     counts = [len(preempted)]
     preempted.clear()
+    dropped.clear()
     cold, cold_totals = _generate(model, extra)
     assert preempted
+    # A best-effort cache (kv_both): a save lost to preemption is a later miss, so vLLM
+    # must not recompute output for it (`requires_kv_delivery` False).
+    assert not any(dropped)
     counts.append(len(preempted))
     assert cold_totals["loaded_blocks"] > 0  # a resumed request reloaded its own prefix
     assert not cold_totals.get("failed_load_blocks")

@@ -299,6 +299,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             remove_socket(self._socket_path)
 
     @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save a preemption cut short is a later miss, never a
+        hand-off another instance waits for, so vLLM need not recompute the preempted
+        request's late output (vLLM defaults this to the producer role, true for
+        kv_both)."""
+        return False
+
+    @property
     def scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:
             raise RuntimeError("scheduler-side call on the worker connector")

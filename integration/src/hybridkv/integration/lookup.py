@@ -212,6 +212,10 @@ class LookupClient:
     from construction on until it answers, and never again. `answered` is called once,
     after the first answer: the connection stands, and the scheduler removes the Unix
     socket's path then, so that nobody else can connect and nothing is left behind.
+
+    While a timed-out request is still unanswered, lookups are misses at once, not sent:
+    a server slower than the timeout would otherwise answer a queue that only grows, and
+    every lookup would wait out the timeout on the scheduler's loop.
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class LookupClient:
         self._answered = answered
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
+        self._unanswered = False  # a request timed out and its reply has not come yet
 
     def _connect(self) -> zmq.Socket[bytes] | None:
         if self._socket is not None:
@@ -250,29 +255,52 @@ class LookupClient:
     def query(self, keys: Sequence[str]) -> list[bool] | None:
         """Readability of every key, or None when the server cannot answer in time."""
         reply = self._ask(
-            LookupRequest(list(keys)), "lookup", "recomputing instead", self._timeout_ms
+            LookupRequest(list(keys)), "lookup", "recomputing instead", self._timeout_ms, 0
         )
         return None if reply is None else reply.readable
 
     def remove(self) -> int | None:
         """Objects of the server's model removed, or None when the server did not answer."""
         timeout_ms = max(self._timeout_ms, REMOVAL_TIMEOUT_MS)
-        reply = self._ask(RemoveRequest(), "removal", "the pool may keep them", timeout_ms)
+        reply = self._ask(
+            RemoveRequest(), "removal", "the pool may keep them", timeout_ms, timeout_ms
+        )
         return None if reply is None else reply.removed
 
     def _ask(
-        self, request: LookupRequest | RemoveRequest, what: str, fallback: str, timeout_ms: int
+        self,
+        request: LookupRequest | RemoveRequest,
+        what: str,
+        fallback: str,
+        timeout_ms: int,
+        late_ms: int,
     ) -> LookupReply | None:
         """One round trip; None (after a warning saying `fallback`) unless answered
-        within `timeout_ms`."""
+        within `timeout_ms`, or unless the reply to a timed-out request is still due after
+        `late_ms`."""
         socket = self._connect()
         if socket is None:
             logger.warning("hybridkv lookup server not listening yet: %s %s", what, fallback)
             return None
         try:
+            if self._unanswered:
+                if not socket.poll(late_ms, zmq.POLLIN):
+                    logger.warning(
+                        "hybridkv lookup server still busy with a timed-out request: %s %s",
+                        what,
+                        fallback,
+                    )
+                    return None
+                socket.recv()  # the late reply: its caller has moved on
+                self._unanswered = False
             socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             socket.send(_encode(request))
-            reply = _decode_reply(socket.recv())
+            try:
+                payload = socket.recv()
+            except zmq.Again:
+                self._unanswered = True
+                raise
+            reply = _decode_reply(payload)
         except zmq.Again:
             logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
             return None
