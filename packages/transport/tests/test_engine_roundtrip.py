@@ -15,7 +15,7 @@ from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 
 from hybridkv.transport import sessions
-from hybridkv.transport.engine import TransferEngine
+from hybridkv.transport.engine import LayerwiseStep, TransferEngine
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
@@ -178,20 +178,12 @@ def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
     and count as stored (checking them would lease every object just written). The first
     commits every object; nothing stays open and every object reads back exactly."""
     first_store, second_store = two_clients
-    prefix = unique_prefix()
     blocks = {0: [0, 1], 1: [2], 2: [3, 4]}
-    early, late = Caches(num_blocks=8, seed=5), Caches(num_blocks=8, seed=5)
-    early.fill()
-    late.fill()
-    saves = transfers(blocks, prefix=prefix)
-    # backlog=0: the checkpoint returns once the first layer went out, so the first
-    # instance's put sessions are open before the second saves (not racing it)
+    saves, late_saves, early, late = same_prefix_twice(blocks, seed=5)
     with engine_for(first_store, early, "layer", backlog=0) as first:
-        step = first.begin_layerwise(saves=saves)
-        step.save_layer(0, CpuEvent())
-        step.checkpoint()
+        step = saved_first_layer(first, saves)
         with engine_for(second_store, late, late_mode) as second:
-            meanwhile = save(second, transfers(blocks, "late", prefix), late_mode)
+            meanwhile = save(second, late_saves, late_mode)
         for layer in range(1, NUM_LAYERS):
             step.save_layer(layer, CpuEvent())
             step.checkpoint()
@@ -205,12 +197,7 @@ def test_two_instances_saving_one_prefix_at_once_store_each_object_once(
         assert not meanwhile.contended_keys
     assert committed.ok
     assert not committed.skipped_keys
-    assert second_store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
-    for transfer in saves:
-        size = early.layouts[transfer.group].object_size
-        assert read_object(second_store, transfer.key, size) == early.block_bytes(
-            transfer.group, transfer.local_block
-        )
+    assert_stored(second_store, saves, early)
     if isinstance(first_store, MemoryStore):
         assert not first_store.open_put_sessions()
 
@@ -227,9 +214,7 @@ def test_keys_contended_with_a_writer_that_then_revoked_are_saved_by_the_next_sa
     blocks = {0: [0, 1], 1: [2], 2: [3, 4]}
     saves, late_saves, early, late = same_prefix_twice(blocks, seed=6)
     with engine_for(first_store, early, "layer", backlog=0) as first:
-        step = first.begin_layerwise(saves=saves)
-        step.save_layer(0, CpuEvent())
-        step.checkpoint()
+        step = saved_first_layer(first, saves)
         with engine_for(second_store, late, "layer") as second:
             meanwhile = save(second, late_saves, "layer")
             abandoned = step.finish()
@@ -258,12 +243,8 @@ def test_a_ranged_save_skips_what_the_writer_it_met_committed_before_its_own_com
         engine_for(first_store, early, "layer", backlog=0) as first,
         engine_for(second_store, late, "layer", backlog=0) as second,
     ):
-        step = first.begin_layerwise(saves=saves)
-        step.save_layer(0, CpuEvent())
-        step.checkpoint()
-        other = second.begin_layerwise(saves=late_saves)
-        other.save_layer(0, CpuEvent())
-        other.checkpoint()  # its session starts ran (before its first layer)
+        step = saved_first_layer(first, saves)
+        other = saved_first_layer(second, late_saves)  # its session starts ran
         for layer in range(1, NUM_LAYERS):
             step.save_layer(layer, CpuEvent())
         committed = step.finish()
@@ -290,6 +271,15 @@ def same_prefix_twice(
     early.fill()
     late.fill()
     return transfers(blocks, prefix=prefix), transfers(blocks, "late", prefix), early, late
+
+
+def saved_first_layer(engine: TransferEngine, saves: list[BlockTransfer]) -> LayerwiseStep:
+    """A layerwise step of `saves` past its first layer: its put sessions are open (with
+    backlog=0 the checkpoint returns once that layer went out)."""
+    step = engine.begin_layerwise(saves=saves)
+    step.save_layer(0, CpuEvent())
+    step.checkpoint()
+    return step
 
 
 def assert_stored(store: Store, saves: list[BlockTransfer], caches: Caches) -> None:

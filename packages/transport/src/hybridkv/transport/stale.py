@@ -41,6 +41,8 @@ class StaleSessions:
     def revoke_again(self, keys: Iterable[str]) -> None:
         """Before sessions on `keys` open: revoke those of them still remembered."""
         with self._lock:
+            if not self._keys:  # nearly always: every save passes its keys through here
+                return
             again = [key for key in keys if key in self._keys]
         self.revoke(again)
 
