@@ -424,30 +424,109 @@ def test_kv_from_before_a_reset_is_not_saved_under_the_new_generation(vllm_specs
     assert meta.generation == 1
 
 
+def _compute_after_reset(side: SchedulerSide, request_id: str, tokens: list[int]) -> None:
+    """A request looked up, admitted without a hit and computed whole (its prefixes are
+    then known fresh)."""
+    req = request(request_id, tokens)
+    assert side.num_new_matched_tokens(req, 0) == (0, False)
+    table = ([40 + b for b in range(len(tokens) // 32 + 1)],)
+    side.after_alloc(req, table, 0)
+    side.build_meta(scheduler_output(new=[(request_id, table, 0, len(tokens))]))
+
+
 @pytest.mark.parametrize(
-    ("resets", "admitted", "first_saved"),
+    ("resets", "computed_since", "admitted", "saved"),
     [
-        (0, 64, 0),  # before any reset, vLLM's own hit refills the pool
-        (1, 64, 2),
-        (1, 32, 1),  # vLLM cut its hit after the lookup: the block it cut is computed
-        (1, 70, 3),  # a local hit ending inside a block: that block mixes old and new KV
+        (0, 0, 64, range(6)),  # before any reset, vLLM's own hit refills the pool
+        (1, 0, 64, range(0)),  # a hit from before the reset: nothing computed over it
+        (1, 100, 64, range(2, 6)),  # a hit computed since: the rest is saved
+        (1, 100, 32, range(1, 6)),  # vLLM cut its hit after the lookup
+        (1, 64, 96, range(0)),  # a hit reaching past what was computed since
+        (1, 100, 70, range(0)),  # a hit where vLLM's hits never end (inside a hash unit)
+        (2, 100, 64, range(0)),  # computed between the resets: the second forgot it
     ],
 )
-def test_after_a_reset_vllms_own_hit_is_not_saved(
-    vllm_specs: Any, resets: int, admitted: int, first_saved: int
+def test_after_a_reset_vllms_own_hit_and_what_it_computes_over_are_saved_only_if_fresh(
+    vllm_specs: Any, resets: int, computed_since: int, admitted: int, saved: range
 ) -> None:
     """vLLM keeps its prefix cache when its own reset is refused (requests running): a
-    local hit after the connector's reset may be KV from before it."""
+    local hit after the connector's reset may be KV from before it, and every block
+    computed over it attends to it. Its blocks are never saved again; the blocks past
+    them only when a request seen since the reset computed that prefix."""
     side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
-    for _ in range(resets):
+    for index in range(resets):
         side.reset()
+        if index == 0 and computed_since:
+            _compute_after_reset(side, "first", TOKENS[:computed_since])
     r = request("r", TOKENS)
-    assert side.num_new_matched_tokens(r, 64) == (0, False)
+    assert side.num_new_matched_tokens(r, admitted) == (0, False)
     table = ([1, 2, 3, 4, 5, 6, 7],)
     side.after_alloc(r, table, 0)
     output = scheduler_output(new=[("r", table, admitted, 200 - admitted)], tables={"r": table})
     meta = side.build_meta(output)
-    assert [ref.index for ref in meta.requests[0].saves] == list(range(first_saved, 6))
+    assert [ref.index for t in meta.requests for ref in t.saves] == list(saved)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_pool_hit_over_a_local_hit_from_before_a_reset_loads_but_saves_nothing(
+    vllm_specs: Any, fresh: bool
+) -> None:
+    side, pool = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    side.reset()
+    if fresh:
+        _compute_after_reset(side, "first", TOKENS[:64])
+    hashes = RequestHashes(side.plan, "", None, generation=1)
+    hashes.cover(TOKENS, 128)
+    pool.keys.update(side.keys.keys(0, hashes.for_group(32)[:4], [0]))
+    r = request("r", TOKENS)
+    assert side.num_new_matched_tokens(r, 64) == (64, False)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(r, table, 64)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 128, 72)], tables={"r": table}))
+    (transfers,) = meta.requests
+    assert [ref.index for ref in transfers.loads] == [2, 3]
+    assert [ref.index for ref in transfers.saves] == ([4, 5] if fresh else [])
+
+
+def test_after_a_reset_a_hit_on_what_a_request_generated_since_is_fresh(
+    vllm_specs: Any,
+) -> None:
+    """A chat's next turn hits vLLM's blocks of the last turn's answer: computed since
+    the reset, so the new turn's blocks are saved."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    side.reset()
+    tokens = list(TOKENS[:100])
+    _compute_after_reset(side, "first", tokens)
+    first = side._tracked["first"].request
+    for computed in range(100, 130):  # decode: one token per step
+        tokens.append(TOKENS[computed])
+        first.num_tokens = len(tokens)
+        side.build_meta(scheduler_output(cached=[("first", computed, 1)]))
+    r = request("r", TOKENS)
+    assert side.num_new_matched_tokens(r, 128) == (0, False)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(r, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 128, 72)], tables={"r": table}))
+    assert [ref.index for t in meta.requests for ref in t.saves] == [4, 5]
+
+
+def test_a_request_looked_up_again_after_its_stale_hit_left_saves_again(
+    vllm_specs: Any,
+) -> None:
+    """Tainted by a local hit from before the reset, preempted, and admitted again once
+    vLLM evicted that hit: it computes from its first token and saves."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    side.reset()
+    r = request("r", TOKENS)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    assert side.num_new_matched_tokens(r, 64) == (0, False)
+    side.after_alloc(r, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 64, 64)], tables={"r": table}))
+    assert meta.requests == []
+    assert side.num_new_matched_tokens(r, 0) == (0, False)
+    side.after_alloc(r, table, 0)
+    meta = side.build_meta(scheduler_output(resumed=[("r", table, 0, 200)], tables={"r": table}))
+    assert [ref.index for t in meta.requests for ref in t.saves] == list(range(6))
 
 
 def test_a_background_load_resumed_with_replay_saves_nothing_again(vllm_specs: Any) -> None:

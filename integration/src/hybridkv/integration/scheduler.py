@@ -17,6 +17,7 @@ further queries, whether such objects extend its aligned hit.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
 from hybridkv.integration.checkpoints import Checkpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
+from hybridkv.integration.fresh import FreshPrefixes
 from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
 from hybridkv.integration.quarantine import Quarantine
@@ -63,6 +65,10 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)
     # Looked up after a reset: what vLLM's own prefix cache gives it is not saved.
     skip_local_hit: bool = False
+    # vLLM's own hit may be KV from before a reset: nothing this request computes is saved.
+    tainted: bool = False
+    # Tokens whose prefixes this request has put among the fresh ones (a hash-unit multiple).
+    remembered: int = 0
     # (plan group, block index) of state blocks holding another state than their end's (a
     # Mamba checkpoint inside the block, or the state a chunk resumed from mid-block and
     # ran past): never saved, even when a failed load moves `scanned` back below them.
@@ -109,6 +115,8 @@ class SchedulerSide:
         self._saves = config.saves_for(kv_role)
         self.coordinator = self.plan.coordinator(use_eagle)
         self._tail_unit = tail_unit if config.prompt_tails else 0
+        # Where vLLM's own hits may end: the prefixes remembered fresh end there too.
+        self._local_unit = math.gcd(self.plan.hash_block_size, tail_unit)
         self._smallest_block = min(group.block_size for group in self.plan.groups)
         self._state_groups = {
             index
@@ -123,6 +131,7 @@ class SchedulerSide:
         # Requests that hold KV from before a reset (running, or loading in the background)
         # until vLLM looks them up afresh: never saved under the new generation's keys.
         self._stale: set[str] = set()
+        self._fresh = FreshPrefixes()
         self.quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
@@ -138,6 +147,7 @@ class SchedulerSide:
         finishing a background load) is not saved again."""
         self.generation += 1
         self._stale.update(self._tracked)
+        self._fresh.clear()
         self._tracked.clear()
         self._pending.clear()
         self._ready.clear()
@@ -203,15 +213,39 @@ class SchedulerSide:
         """After a reset, the blocks of vLLM's own prefix-cache hit may hold KV from before
         it (vLLM keeps its prefix cache when its own reset is refused for running
         requests): they are never saved under the new generation's keys, nor is a block
-        it ends in. (Before any reset they are, which refills a pool that dropped them.)
+        it ends in, nor, unless the hit is a prefix known fresh, anything the request
+        computes over it. (Before any reset they are, which refills a pool that dropped
+        them.)
         `computed`: the tokens vLLM admitted the request with, its final local hit (which
         it may have cut after the lookup) and the pool's. Once per lookup."""
         if not tracked.skip_local_hit:
             return
         tracked.skip_local_hit = False
+        tracked.tainted = not self._fresh_local_hit(tracked, computed)
+        if tracked.tainted:
+            return  # nothing is saved: the next lookup, if any, decides afresh
         for group, plan in enumerate(self.plan.groups):
             reached = -(-computed // plan.block_size)
             tracked.scanned[group] = max(tracked.scanned[group], reached)
+
+    def _fresh_local_hit(self, tracked: _Tracked, local: int) -> bool:
+        """Whether vLLM's own hit of `local` tokens is KV computed since the last reset
+        (none is; one ending where vLLM's hits cannot is never known to be)."""
+        if local == 0:
+            return True
+        if local % self._local_unit:
+            return False
+        return self._fresh.holds(tracked.hashes.prefix(tracked.request.all_token_ids, local))
+
+    def _remember_fresh(self, tracked: _Tracked, done: int) -> None:
+        """The prefixes a request not tainted holds once this step is done are fresh: its
+        local hit was, and it loads from the new generation and computes the rest."""
+        token_ids = tracked.request.all_token_ids
+        unit = self._local_unit
+        reach = min(done, len(token_ids)) // unit * unit
+        for tokens in range(tracked.remembered + unit, reach + 1, unit):
+            self._fresh.add(tracked.hashes.prefix(token_ids, tokens))
+        tracked.remembered = max(tracked.remembered, reach)
 
     def _readable(self, tracked: _Tracked, mask: Masks, local: int) -> Masks | None:
         """Readability of the masked blocks; blocks vLLM already holds count as readable."""
@@ -312,7 +346,9 @@ class SchedulerSide:
         if pending is None or external == 0:
             return
         allocated = self._allocated_hit(request.request_id, pending, external)
-        tracked.skip_local_hit = False  # vLLM's own hit lies below the pool's: decided here
+        if tracked.skip_local_hit:  # vLLM's own hit lies below the pool's: decided here
+            tracked.skip_local_hit = False
+            tracked.tainted = not self._fresh_local_hit(tracked, pending.local_tokens)
         loads: list[BlockRef] = []
         hit = allocated.tokens
         tail_hash = b""  # the prefix's own hash, for the partial blocks of a prompt tail
@@ -346,6 +382,8 @@ class SchedulerSide:
         last) with the chunk's. Their hashes, and the saves of the blocks reaching them,
         are decided again as they are computed."""
         tracked.hashes.rewind(computed)
+        unit = self._local_unit
+        tracked.remembered = min(tracked.remembered, computed // unit * unit)
         for group, plan in enumerate(self.plan.groups):
             tracked.scanned[group] = min(tracked.scanned[group], computed // plan.block_size)
 
@@ -458,8 +496,10 @@ class SchedulerSide:
         `save_decode_cache` also those the generated tokens complete, as far as they are
         known: with async scheduling vLLM counts a step's token before it is sampled, and
         speculative decoding schedules draft tokens that may be rejected)."""
-        if not self._saves:
+        if not self._saves or tracked.tainted:
             return
+        if self.generation:
+            self._remember_fresh(tracked, done)
         request = tracked.request
         known = (
             len(request.all_token_ids)
