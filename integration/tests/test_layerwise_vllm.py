@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -88,6 +89,7 @@ def test_plan_follows_where_vllm_writes_each_cache(rig: Rig) -> None:
     ascend = plan_vllm_layers(context(rig), names, connector_windows=False)
     assert ascend.windows == set()
     assert ascend.after_kernel == set(ATTENTION)
+    assert plan.riders == ascend.riders == {"model.layers.2.self_attn.indexer.k_cache"}
 
 
 def forward(layerwise: VllmLayerwise, rig: Rig, mixer: TinyMixer, value: int) -> None:
@@ -205,6 +207,65 @@ def test_without_running_hooks_a_loaded_state_is_copied_before_the_forward(rig: 
     assert layerwise.finish_loads().ok
     layerwise.end_step()
     layerwise.close()
+
+
+def _first_byte(rig: Rig, layer: int) -> int:
+    """The first byte of the first loaded block in a cache of `layer`."""
+    cache = next(cache for (_, at), cache in rig.caches.items() if at == layer)
+    return int(cache[BLOCKS[0], 0])
+
+
+@pytest.mark.parametrize("riders_through", [None, 2])
+def test_a_riders_layer_is_loaded_before_the_forward_starts(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, riders_through: int | None
+) -> None:
+    """vLLM's MLA layer runs its indexer, which reads the indexer cache, before the
+    attention's `wait_for_layer_load`: a layer holding such a cache is loaded when the
+    step begins, every layer before it too; the later ones still load behind the forward."""
+    for layer in range(4):
+        rig.fill(layer, BLOCKS, 40 + layer)
+    assert rig.engine.save(rig.transfers(BLOCKS, tag="s")).wait(timeout=10).ok
+    for cache in rig.caches.values():
+        cache[:] = 0
+    reads = rig.store.get_ranges
+
+    def slow_reads(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)
+        return reads(*args, **kwargs)
+
+    monkeypatch.setattr(rig.store, "get_ranges", slow_reads)
+    ctx = context(rig)
+    layerwise = VllmLayerwise(
+        rig.strategy, plan_vllm_layers(ctx, set(ctx)), riders_through=riders_through
+    )
+    layerwise.begin_step(rig.transfers(BLOCKS, tag="s"), [])
+    landed = [_first_byte(rig, layer) for layer in range(4)]
+    if riders_through is None:
+        assert landed[2] == 0  # what the indexer would have read: nothing loaded yet
+    else:
+        assert landed[:3] == [40, 41, 42]
+        assert landed[3] == 0  # the mixer's layer loads behind the forward
+    assert layerwise.finish_loads().ok
+    assert [_first_byte(rig, layer) for layer in range(4)] == [40, 41, 42, 43]
+    layerwise.end_step()
+    layerwise.close()
+
+
+def test_the_built_strategy_waits_through_the_last_riders_layer() -> None:
+    """`build_vllm_layerwise` finds the riders among the engine's cache names."""
+    rig = Rig()
+    try:
+        names = {entry.name: entry.layer for layout in rig.layouts for entry in layout.entries}
+        ctx: dict[str, Any] = {
+            name: object() if layer == 2 else bare(Attention, attn_backend=CPUAttentionBackend)
+            for name, layer in names.items()
+        }
+        layerwise = build_vllm_layerwise(rig.engine, ctx, "cpu")
+        assert layerwise._plan.riders == {name for name, layer in names.items() if layer == 2}
+        assert layerwise._riders_through == 2
+        layerwise.close()
+    finally:
+        rig.close()
 
 
 def _other_saves(rig: Rig) -> list[BlockTransfer]:

@@ -510,6 +510,82 @@ def test_after_a_reset_a_hit_on_what_a_request_generated_since_is_fresh(
     assert [ref.index for t in meta.requests for ref in t.saves] == [4, 5]
 
 
+def test_after_a_reset_a_hit_on_what_another_request_computes_in_the_same_step_is_fresh(
+    vllm_specs: Any,
+) -> None:
+    """vLLM caches the blocks a step computes when it schedules them: a request admitted
+    in that step may hit them (here 128 tokens, half of them computed in this step)."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    side.reset()
+    a = request("a", TOKENS)
+    assert side.num_new_matched_tokens(a, 0) == (0, False)
+    first = ([40, 41, 42, 43, 44, 45, 46],)
+    side.after_alloc(a, first, 0)
+    side.build_meta(scheduler_output(new=[("a", first, 0, 64)], tables={"a": first}))
+    b = request("b", TOKENS[:128] + [7] * 72)
+    assert side.num_new_matched_tokens(b, 128) == (0, False)
+    second = ([40, 41, 42, 43, 1, 2, 3],)
+    side.after_alloc(b, second, 0)
+    output = scheduler_output(
+        new=[("b", second, 128, 72)], cached=[("a", 64, 64)], tables={"a": first, "b": second}
+    )
+    meta = side.build_meta(output)
+    assert {t.request_id: [ref.index for ref in t.saves] for t in meta.requests} == {
+        "a": [2, 3],
+        "b": [4, 5],
+    }
+
+
+def test_prefixes_a_request_skipping_vllms_prefix_cache_computes_are_not_fresh(
+    vllm_specs: Any,
+) -> None:
+    """Prompt logprobs make vLLM skip its prefix cache: the request recomputes a prefix
+    of which vLLM may still hold an older block, which it goes on serving first."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    side.reset()
+    a = request("a", TOKENS[:100], skip_reading_prefix_cache=True)
+    assert side.num_new_matched_tokens(a, 0) == (0, False)
+    table = ([40, 41, 42, 43],)
+    side.after_alloc(a, table, 0)
+    side.build_meta(scheduler_output(new=[("a", table, 0, 100)], tables={"a": table}))
+    b = request("b", TOKENS)
+    assert side.num_new_matched_tokens(b, 64) == (0, False)
+    other = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(b, other, 0)
+    meta = side.build_meta(scheduler_output(new=[("b", other, 64, 136)], tables={"b": other}))
+    assert meta.requests == []
+
+
+def test_a_tainted_request_whose_background_load_failed_stays_unsaved(
+    vllm_specs: Any,
+) -> None:
+    """vLLM goes on from the tokens that did load, without a lookup: the request still
+    computes over its vLLM-own hit from before the reset, and saves nothing; nor does a
+    later request hitting those blocks."""
+    side, pool = _side(
+        vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), load_async=True
+    )
+    side.reset()
+    hashes = RequestHashes(side.plan, "", None, generation=1)
+    hashes.cover(TOKENS, 128)
+    pool.keys.update(side.keys.keys(0, hashes.for_group(32)[:4], [0]))
+    b = request("b", TOKENS)
+    assert side.num_new_matched_tokens(b, 64) == (64, True)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(b, table, 64)
+    side.build_meta(scheduler_output())  # the background load goes out
+    side.loads_failed(["b"], [])  # block 3 failed: vLLM keeps 96 tokens
+    b.num_computed_tokens = 96
+    side.after_alloc(b, table, 0)
+    meta = side.build_meta(scheduler_output(new=[("b", table, 96, 104)], tables={"b": table}))
+    c = request("c", TOKENS[:64] + [9] * 100)
+    assert side.num_new_matched_tokens(c, 64) == (0, False)
+    other = ([1, 2, 20, 21, 22, 23],)
+    side.after_alloc(c, other, 0)
+    later = side.build_meta(scheduler_output(new=[("c", other, 64, 100)], tables={"c": other}))
+    assert [ref.index for t in [*meta.requests, *later.requests] for ref in t.saves] == []
+
+
 def test_a_request_looked_up_again_after_its_stale_hit_left_saves_again(
     vllm_specs: Any,
 ) -> None:
@@ -764,10 +840,11 @@ def _tail_side(
     tail_unit: int = 8,
     shape: ModelShape = ONE_RANK,
     use_eagle: bool = False,
+    local_hit_unit: int = 0,
     **config: Any,
 ) -> tuple[SchedulerSide, Pool]:
     """Full attention beside a Mamba state, 32-token blocks, vLLM hitting every
-    `tail_unit` tokens (0: at block ends only)."""
+    `tail_unit` tokens (0: at block ends only) and hashing every `local_hit_unit`."""
     heads = shape.total_kv_heads // shape.tp_size or 1
     kinds = [(["a"], attention(vllm_specs, heads=heads)), (["m"], mamba(vllm_specs))]
     plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], shape)
@@ -778,8 +855,32 @@ def _tail_side(
         pool.query,
         tail_unit=tail_unit,
         use_eagle=use_eagle,
+        local_hit_unit=local_hit_unit,
     )
     return side, pool
+
+
+@pytest.mark.parametrize(("local_hit_unit", "saved"), [(8, True), (0, False)])
+def test_after_a_reset_a_hit_inside_a_block_is_fresh_where_vllm_hashes(
+    vllm_specs: Any, local_hit_unit: int, saved: bool
+) -> None:
+    """vLLM's own hits may end inside a block at its hash unit (a Mamba "align" model with
+    a finer `prefix_match_unit`), whether or not prompt tails are stored: the prefixes
+    remembered fresh end there too (unknown unit: only block ends, a hit inside a block is
+    never known fresh)."""
+    side, _ = _tail_side(vllm_specs, 0, local_hit_unit=local_hit_unit)
+    side.reset()
+    tables = ([100 + b for b in range(8)], [200 + b for b in range(8)])
+    a = request("a", TOKENS[:100])
+    assert side.num_new_matched_tokens(a, 0) == (0, False)
+    side.after_alloc(a, tables, 0)
+    side.build_meta(scheduler_output(new=[("a", tables, 0, 100)], tables={"a": tables}))
+    b = request("b", TOKENS)
+    assert side.num_new_matched_tokens(b, 40) == (0, False)
+    other = ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17])
+    side.after_alloc(b, other, 0)
+    meta = side.build_meta(scheduler_output(new=[("b", other, 40, 160)], tables={"b": other}))
+    assert bool(meta.requests) is saved
 
 
 def _write_prompt(side: SchedulerSide, pool: Pool, tokens: list[int], chunks: list[int]) -> list:

@@ -658,6 +658,33 @@ def _stored_event(index: int) -> Any:
     )
 
 
+def test_a_save_that_raises_when_issued_stores_and_announces_nothing(vllm_specs: Any) -> None:
+    """The client raises while the step's saves are issued: vLLM's forward goes on, the
+    blocks count as failed saves, and no later step announces them."""
+    keys, _, layouts = _model(vllm_specs)
+    store = MemoryStore()
+    engine = TransferEngine(store, layouts)
+    worker = WorkerSide(keys, engine, WholeBlocks(engine, CpuEvent), 0, CpuEvent)
+    issue = engine.save
+    calls = []
+
+    def raising_once(transfers: Any, ready: Any = None) -> Any:
+        calls.append(transfers)
+        if len(calls) == 1:
+            raise RuntimeError("client crashed")
+        return issue(transfers, ready)
+
+    engine.save = raising_once  # type: ignore[method-assign]
+    first = [BlockRef(0, 0, 1, b"\x01" * 32, stored=_stored_event(0))]
+    _step(worker, [RequestTransfers(request_id="a", saves=first)])  # not raised
+    second = [BlockRef(0, 1, 2, b"\x02" * 32, stored=_stored_event(1))]
+    _step(worker, [RequestTransfers(request_id="a", saves=second)])
+    assert [event.event.block_hashes for event in worker.take_stored_events()] == [[1]]
+    assert store.batch_is_readable(_keys(worker, first + second)) == [False, True]
+    assert worker.counters.snapshot()["failed_save_blocks"] == 1
+    worker.close()
+
+
 def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     worker, _, store = rig
     events = [_stored_event(index) for index in range(2)]

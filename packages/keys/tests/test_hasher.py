@@ -305,7 +305,13 @@ def test_hashes_for_rejects(size: object, error: type) -> None:
 
 @pytest.mark.parametrize(
     ("block_size", "namespace", "error"),
-    [(0, "", ValueError), (-1, "", ValueError), (True, "", TypeError), (16, b"ns", TypeError)],
+    [
+        (0, "", ValueError),
+        (-1, "", ValueError),
+        (1 << 32, "", ValueError),
+        (True, "", TypeError),
+        (16, b"ns", TypeError),
+    ],
 )
 def test_constructor_rejects(block_size: object, namespace: object, error: type) -> None:
     with pytest.raises(error):

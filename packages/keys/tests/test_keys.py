@@ -225,13 +225,18 @@ def test_key_format_error_is_a_value_error_that_pickles() -> None:
         ("gemma", "gemma"),
         ("odd@dir/model", "model"),
         ("my model", "my model"),
+        ("/models/Qwen3-8B/.", "Qwen3-8B"),
+        ("/models/Qwen3-8B/./", "Qwen3-8B"),
+        ("/runs/a/checkpoint-500/../final", "final"),
     ],
 )
 def test_model_name_keeps_the_last_path_component(given_name: str, expected: str) -> None:
     assert model_name(given_name) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "/", "///", "org/a@b", "a@b", "org/a\tb"])
+@pytest.mark.parametrize(
+    "bad", ["", "/", "///", "org/a@b", "a@b", "org/a\tb", ".", "./", "..", "a/.."]
+)
 def test_model_name_rejects(bad: str) -> None:
     with pytest.raises(KeyFormatError) as caught:
         model_name(bad)

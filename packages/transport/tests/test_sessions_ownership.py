@@ -51,6 +51,37 @@ def test_released_requests_are_not_kept_for_a_poll_that_never_comes() -> None:
         assert engine.poll_finished() == (set(), set())
 
 
+class HeldReads(MemoryStore):
+    """Whole reads wait until `go` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def batch_get_whole(self, *args: object) -> list[Status]:
+        assert self.go.wait(10)
+        return super().batch_get_whole(*args)  # type: ignore[arg-type]
+
+
+def test_a_request_released_while_it_loads_is_not_kept_once_the_load_ends() -> None:
+    """vLLM frees a request aborted during its background load before the load ends."""
+    store = HeldReads()
+    caches = Caches(num_blocks=4, seed=5)
+    caches.fill()
+    prefix = unique_prefix()
+    with engine_for(store, caches, "staged") as engine:
+        assert engine.save(transfers({0: [0]}, "a", prefix)).wait(timeout=10).ok
+        engine.release(["a"])
+        loading = engine.load(transfers({0: [1]}, "b", prefix))
+        engine.release(["b"])
+        store.go.set()
+        assert loading.wait(timeout=10).ok
+        assert engine.poll_finished() == (set(), set())
+        again = engine.load(transfers({0: [2]}, "b", prefix))  # the same id, later
+        assert again.wait(timeout=10).ok
+        assert engine.poll_finished() == (set(), {"b"})
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_two_requests_sharing_a_key_write_it_once(mode: str) -> None:
     store = MemoryStore()

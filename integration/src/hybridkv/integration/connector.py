@@ -119,6 +119,11 @@ def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:
         )
 
 
+def _vllm_hash_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    # vLLM hashes requests at kv_cache_config.hash_block_size (set by the engine core).
+    return kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+
+
 def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     """vLLM's hash unit where its own prefix cache hits inside blocks, else 0.
 
@@ -272,13 +277,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 load_async_required=background is not None,
                 checkpoints=prefill_checkpoints(vllm_config, kv_cache_config, self.plan),
                 use_eagle=drops_eagle_block(vllm_config),
+                local_hit_unit=_vllm_hash_block_size(vllm_config, kv_cache_config),
             )
 
     def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:
-        # vLLM hashes requests at kv_cache_config.hash_block_size (set by the engine core).
-        hash_block_size = (
-            kv_cache_config.hash_block_size or self._vllm_config.cache_config.block_size
-        )
+        hash_block_size = _vllm_hash_block_size(self._vllm_config, kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
         specs = {g.vllm_group_id: groups[g.vllm_group_id].kv_cache_spec for g in self.plan.groups}
         return EventBuilder(hash_block_size, specs)

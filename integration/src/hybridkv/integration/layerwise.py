@@ -35,13 +35,16 @@ class VllmLayerPlan:
 
     `windows`: attention layers whose cache is written before `wait_for_layer_load`;
     `after_kernel`: attention layers whose kernel writes the cache (put at `save_kv_layer`);
-    `state`: Mamba-type layers saved from a forward hook. Other cache names (indexer
-    caches, compressor state written before the attention op) ride with their layer.
+    `state`: Mamba-type layers saved from a forward hook. `riders`: cache names that never
+    call in (indexer keys, compressor state written before the attention op): saved with
+    their layer, but read before its attention's `wait_for_layer_load` (vLLM's MLA layer
+    runs its indexer first), so their loads land before the forward starts.
     """
 
     windows: frozenset[str]
     after_kernel: frozenset[str]
     state: frozenset[str]
+    riders: frozenset[str] = frozenset()
 
     @property
     def reporters(self) -> frozenset[str]:
@@ -76,7 +79,10 @@ def plan_vllm_layers(
             (windows if connector_windows and not writes_in_kernel else after_kernel).add(name)
         elif hasattr(module, "impl") and not connector_windows:
             after_kernel.add(name)  # an attention layer class of vLLM-Ascend's own
-    return VllmLayerPlan(frozenset(windows), frozenset(after_kernel), frozenset(state))
+    riders = names - windows - after_kernel - state
+    return VllmLayerPlan(
+        frozenset(windows), frozenset(after_kernel), frozenset(state), frozenset(riders)
+    )
 
 
 class VllmLayerwise:
@@ -84,7 +90,9 @@ class VllmLayerwise:
 
     `object_sizes` (group -> bytes of one object) turns loaded blocks into loaded bytes for
     the counters. `hooks_fire=False` (a compiled model, where module hooks are traced away)
-    makes `begin_step` wait for the Mamba-type layers' loads before the forward starts.
+    makes `begin_step` wait for the Mamba-type layers' loads before the forward starts;
+    `riders_through`, the last physical layer holding one of the plan's riders, does the
+    same for the loads of every layer up to it.
     """
 
     def __init__(
@@ -93,9 +101,11 @@ class VllmLayerwise:
         plan: VllmLayerPlan,
         object_sizes: Mapping[int, int] | None = None,
         hooks_fire: bool = True,
+        riders_through: int | None = None,
     ) -> None:
         self.strategy = strategy
         self._plan = plan
+        self._riders_through = riders_through
         self._object_sizes = dict(object_sizes or {})
         self._hooks_fire = hooks_fire
         self._loads: list[BlockTransfer] = []
@@ -139,6 +149,8 @@ class VllmLayerwise:
         self._failed_before_raise = {}
         with self._failing_the_step():
             self.strategy.begin_step(loads, saves, hold_saves)
+            if loads and self._riders_through is not None:
+                self.strategy.wait_for_loads_through(self._riders_through)
             if loads and not self._hooks_fire and self._plan.state:
                 last_state = max(self._plan.state, key=self.strategy.layer_of)
                 self.strategy.wait_for_layer_load(last_state)
@@ -333,7 +345,13 @@ def build_vllm_layerwise(
         new_event=lambda: make_event(device),
     )
     sizes = {group: layout.object_size for group, layout in engine.layouts.items()}
-    layerwise = VllmLayerwise(strategy, plan, sizes, hooks_fire=_runs_eagerly(vllm_config))
+    layerwise = VllmLayerwise(
+        strategy,
+        plan,
+        sizes,
+        hooks_fire=_runs_eagerly(vllm_config),
+        riders_through=max((layer_of[name] for name in plan.riders), default=None),
+    )
     if on_npu:
         from hybridkv.integration.ascend import install_ascend_windows
 

@@ -67,6 +67,8 @@ class _Tracked:
     skip_local_hit: bool = False
     # vLLM's own hit may be KV from before a reset: nothing this request computes is saved.
     tainted: bool = False
+    # vLLM's own hit below a pool hit, judged when the request is scheduled (None: none).
+    local_tokens: int | None = None
     # Tokens whose prefixes this request has put among the fresh ones (a hash-unit multiple).
     remembered: int = 0
     # (plan group, block index) of state blocks holding another state than their end's (a
@@ -97,6 +99,7 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         checkpoints: PrefillCheckpoints | None = None,
         use_eagle: bool = False,
+        local_hit_unit: int = 0,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
@@ -105,7 +108,9 @@ class SchedulerSide:
         `clock`: the time that quarantined keys are released by. `checkpoints`: the Mamba
         groups whose prefill chunks leave a block holding an inner state (saved only as a
         prompt tail). `use_eagle`: vLLM drops the last block of its own hits (see
-        `drops_eagle_block`); hits from the pool, and the states saved for them, follow."""
+        `drops_eagle_block`); hits from the pool, and the states saved for them, follow.
+        `local_hit_unit`: vLLM's hash block size, which its own prefix-cache hits end on a
+        multiple of (0: the plan's hash unit)."""
         self._checkpoints = checkpoints
         self.keys = keys
         self._events = events
@@ -116,7 +121,7 @@ class SchedulerSide:
         self.coordinator = self.plan.coordinator(use_eagle)
         self._tail_unit = tail_unit if config.prompt_tails else 0
         # Where vLLM's own hits may end: the prefixes remembered fresh end there too.
-        self._local_unit = math.gcd(self.plan.hash_block_size, tail_unit)
+        self._local_unit = math.gcd(self.plan.hash_block_size, local_hit_unit)
         self._smallest_block = min(group.block_size for group in self.plan.groups)
         self._state_groups = {
             index
@@ -221,25 +226,35 @@ class SchedulerSide:
         if not tracked.skip_local_hit:
             return
         tracked.skip_local_hit = False
-        tracked.tainted = not self._fresh_local_hit(tracked, computed)
-        if tracked.tainted:
-            return  # nothing is saved: the next lookup, if any, decides afresh
+        deferred, tracked.local_tokens = tracked.local_tokens, None
+        self._judge_local_hit(tracked, computed if deferred is None else deferred)
+        if tracked.tainted or deferred is not None:
+            # Tainted: nothing is saved, the next lookup (if any) decides afresh. Under a
+            # pool hit: the hit's loads already moved `scanned` past vLLM's own blocks.
+            return
         for group, plan in enumerate(self.plan.groups):
             reached = -(-computed // plan.block_size)
             tracked.scanned[group] = max(tracked.scanned[group], reached)
 
-    def _fresh_local_hit(self, tracked: _Tracked, local: int) -> bool:
-        """Whether vLLM's own hit of `local` tokens is KV computed since the last reset
-        (none is; one ending where vLLM's hits cannot is never known to be)."""
-        if local == 0:
-            return True
-        if local % self._local_unit:
-            return False
-        return self._fresh.holds(tracked.hashes.prefix(tracked.request.all_token_ids, local))
+    def _judge_local_hit(self, tracked: _Tracked, local: int) -> None:
+        """Taint the request unless vLLM's own hit of `local` tokens is KV computed since
+        the last reset (none is; one ending where vLLM's hits cannot is never known to
+        be). A fresh hit's prefixes were remembered by whoever computed them."""
+        fresh = local == 0 or (
+            local % self._local_unit == 0
+            and self._fresh.holds(tracked.hashes.prefix(tracked.request.all_token_ids, local))
+        )
+        tracked.tainted = not fresh
+        if fresh:
+            tracked.remembered = max(tracked.remembered, local)
 
     def _remember_fresh(self, tracked: _Tracked, done: int) -> None:
         """The prefixes a request not tainted holds once this step is done are fresh: its
-        local hit was, and it loads from the new generation and computes the rest."""
+        local hit was, and it loads from the new generation and computes the rest. Not
+        those of a request that skips vLLM's prefix cache (prompt logprobs): vLLM may
+        still hold an older block of the same prefix, and it serves the older first."""
+        if getattr(tracked.request, "skip_reading_prefix_cache", False):
+            return
         token_ids = tracked.request.all_token_ids
         unit = self._local_unit
         reach = min(done, len(token_ids)) // unit * unit
@@ -346,9 +361,8 @@ class SchedulerSide:
         if pending is None or external == 0:
             return
         allocated = self._allocated_hit(request.request_id, pending, external)
-        if tracked.skip_local_hit:  # vLLM's own hit lies below the pool's: decided here
-            tracked.skip_local_hit = False
-            tracked.tainted = not self._fresh_local_hit(tracked, pending.local_tokens)
+        if tracked.skip_local_hit:  # judged once scheduled, with the step's other requests
+            tracked.local_tokens = pending.local_tokens
         loads: list[BlockRef] = []
         hit = allocated.tokens
         tail_hash = b""  # the prefix's own hash, for the partial blocks of a prompt tail
@@ -425,14 +439,14 @@ class SchedulerSide:
         step: dict[str, RequestTransfers] = dict(self._ready)
         self._ready.clear()
         state = getattr(output, "kv_connector_block_state", None)
+        # (tracked, start, done, a whole new block table or None)
+        scheduled: list[tuple[_Tracked, int, int, Sequence[Sequence[int]] | None]] = []
         for new in output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
                 start = new.num_computed_tokens
                 done = start + output.num_scheduled_tokens[new.req_id]
-                self._skip_local_hit(tracked, start)
-                self._start(tracked, new.block_ids, done, step)
-                self._plan_saves(tracked, start, done, state, step)
+                scheduled.append((tracked, start, done, new.block_ids))
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(request_id)
@@ -443,11 +457,22 @@ class SchedulerSide:
             done = start + output.num_scheduled_tokens[request_id]
             if request_id in cached.resumed_req_ids and new_ids is not None:
                 # Preempted and resumed: a whole new block table, maybe a new hit to load.
-                self._skip_local_hit(tracked, start)
-                self._start(tracked, new_ids, done, step)
-            elif new_ids is not None:
+                scheduled.append((tracked, start, done, new_ids))
+                continue
+            if new_ids is not None:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
                     table.extend(ids)
+            scheduled.append((tracked, start, done, None))
+        if self.generation and self._saves:
+            # vLLM caches the blocks a step computes when it schedules them, so a request
+            # admitted in this step may hit what another computes in it: fresh as well.
+            for tracked, _, done, _ in scheduled:
+                if not tracked.skip_local_hit and not tracked.tainted:
+                    self._remember_fresh(tracked, done)
+        for tracked, start, done, restarted in scheduled:
+            if restarted is not None:
+                self._skip_local_hit(tracked, start)
+                self._start(tracked, restarted, done, step)
             self._plan_saves(tracked, start, done, state, step)
         idle = output.total_num_scheduled_tokens == 0
         return HybridKVMetadata(list(step.values()), self.generation, idle)
@@ -656,7 +681,13 @@ class SchedulerSide:
             # was reported): one object, counted once.
             self.quarantined_keys += self.quarantine.add(keys)
         for request_id in request_ids:
-            self._tracked.pop(request_id, None)
+            dropped = self._tracked.pop(request_id, None)
+            if dropped is not None and dropped.local_tokens is not None:
+                self._judge_local_hit(dropped, dropped.local_tokens)  # never scheduled
+            if dropped is not None and dropped.tainted:
+                # vLLM goes on from the tokens that did load, without a lookup: still over
+                # KV from before the reset.
+                self._stale.add(request_id)
 
     def forget(self, request_id: str) -> None:
         self._stale.discard(request_id)

@@ -140,8 +140,12 @@ class LayerwiseStrategy:
 
     def wait_for_layer_load(self, name: str) -> None:
         """Return once this layer's gets are in the cache (vLLM calls this before attention)."""
+        self.wait_for_loads_through(self.layer_of(name))
+
+    def wait_for_loads_through(self, layer: int) -> None:
+        """Return once the gets of physical layer `layer` and every earlier one are in the
+        cache."""
         state = self._require_step()
-        layer = self.layer_of(name)
         if layer in state.loaded:
             return
         started = time.perf_counter()

@@ -379,9 +379,14 @@ class WorkerSide:
         `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
         has recomputed them."""
         failed = self.settle_loads()
-        wait = self.strategy.end_step(keep_saves=not failed)
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
+        try:
+            wait = self.strategy.end_step(keep_saves=not failed)
+        except Exception:  # the client raised: nothing of the step's saves is stored
+            logger.exception("hybridkv: this step's saves could not be issued; not stored")
+            self._count(failed_save_blocks=0 if failed else len(saves))
+            wait, announce, saves = None, {}, []
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)

@@ -87,8 +87,8 @@ class BlockHasher:
     def __init__(self, block_size: int, namespace: str) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool):
             raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 1 <= block_size < 1 << 32:
+            raise ValueError(f"block_size must be positive and below 2**32, got {block_size}")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
         self._block_size = block_size

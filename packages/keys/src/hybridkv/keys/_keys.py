@@ -9,6 +9,7 @@ constructors' own, so the parser and the constructors cannot drift apart.
 from __future__ import annotations
 
 import operator
+import posixpath
 import re
 from collections.abc import Callable
 from typing import Final
@@ -78,11 +79,17 @@ def model_name(text: str) -> str:
     """The key's model field for a model as vLLM users name it (hub id or local path).
 
     Only the last path component is kept so that instances loading the same weights from
-    different directories (or from the hub) share their cached blocks.
+    different directories (or from the hub) share their cached blocks; a path is
+    normalised first, and one that names no directory by itself (`.`, `..`) is refused:
+    every model given so would share one name.
     """
     if not isinstance(text, str):
         raise TypeError(f"model must be a str, got {type(text).__name__}")
-    name = text.rstrip("/").rpartition("/")[2]
+    name = posixpath.normpath(text).rpartition("/")[2] if text else ""
+    if name in (".", ".."):
+        raise KeyFormatError(
+            "model", f"{text!r} names no directory by itself; give the model's own path"
+        )
     _check_model(name)
     return name
 

@@ -189,10 +189,14 @@ class RequestTracker:
         self._lock = threading.Lock()
         self._pending: dict[Direction, Counter[str]] = {"save": Counter(), "load": Counter()}
         self._finished: dict[Direction, set[str]] = {"save": set(), "load": set()}
+        # Forgotten while transfers were still in flight: not reported when they end.
+        self._forgotten: dict[Direction, set[str]] = {"save": set(), "load": set()}
 
     def begin(self, direction: Direction, request_ids: Iterable[str]) -> None:
         with self._lock:
+            request_ids = list(request_ids)
             self._pending[direction].update(request_ids)
+            self._forgotten[direction].difference_update(request_ids)
 
     def end(self, direction: Direction, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -201,18 +205,25 @@ class RequestTracker:
                 pending[request_id] -= 1
                 if pending[request_id] <= 0:
                     del pending[request_id]
-                    self._finished[direction].add(request_id)
+                    if request_id in self._forgotten[direction]:
+                        self._forgotten[direction].discard(request_id)
+                    else:
+                        self._finished[direction].add(request_id)
 
     def outstanding(self, direction: Direction) -> int:
         with self._lock:
             return sum(self._pending[direction].values())
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop finished requests not polled yet: an engine whose caller never polls
-        (it waits on tickets instead) must not keep every request id it ever saw."""
+        """Drop finished requests not polled yet, and the completion of those still in
+        flight (vLLM frees a request aborted while it loads in the background): an engine
+        whose caller never polls (it waits on tickets instead) must not keep every request
+        id it ever saw."""
+        request_ids = set(request_ids)
         with self._lock:
-            for finished in self._finished.values():
+            for direction, finished in self._finished.items():
                 finished.difference_update(request_ids)
+                self._forgotten[direction].update(request_ids & self._pending[direction].keys())
 
     def poll(self) -> tuple[set[str], set[str]]:
         with self._lock:
