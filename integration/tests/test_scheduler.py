@@ -48,11 +48,13 @@ def _store(
     upto: int,
     writer: Any = None,
     keys: KeySpace | None = None,
+    generation: int = 0,
 ) -> None:
     """Put every group's blocks of the first `upto` tokens for `heads` (as `writer`, a
-    request, computed them: its LoRA, salt...), under `keys` (default: the side's)."""
+    request, computed them: its LoRA, salt...), under `keys` (default: the side's), as
+    saved after `generation` cache resets."""
     keys = side.keys if keys is None else keys
-    hashes = RequestHashes(side.plan, "", writer)
+    hashes = RequestHashes(side.plan, "", writer, generation)
     hashes.cover(tokens, upto)
     for group, plan in enumerate(side.plan.groups):
         blocks = hashes.for_group(plan.block_size)[: upto // plan.block_size]
@@ -424,14 +426,26 @@ def test_kv_from_before_a_reset_is_not_saved_under_the_new_generation(vllm_specs
     assert meta.generation == 1
 
 
-def _compute_after_reset(side: SchedulerSide, request_id: str, tokens: list[int]) -> None:
-    """A request looked up, admitted without a hit and computed whole (its prefixes are
-    then known fresh)."""
-    req = request(request_id, tokens)
-    assert side.num_new_matched_tokens(req, 0) == (0, False)
-    table = ([40 + b for b in range(len(tokens) // 32 + 1)],)
+def _admitted(
+    side: SchedulerSide,
+    req: Any,
+    table: tuple[list[int], ...],
+    local: int = 0,
+    scheduled: int | None = None,
+) -> Any:
+    """The metadata of the step that admits a request the pool misses, with `local` tokens
+    of vLLM's own hit, scheduling `scheduled` tokens (default: the rest of its prompt)."""
+    assert side.num_new_matched_tokens(req, local) == (0, False)
     side.after_alloc(req, table, 0)
-    side.build_meta(scheduler_output(new=[(request_id, table, 0, len(tokens))]))
+    count = len(req.all_token_ids) - local if scheduled is None else scheduled
+    rid = req.request_id
+    return side.build_meta(scheduler_output(new=[(rid, table, local, count)], tables={rid: table}))
+
+
+def _compute_after_reset(side: SchedulerSide, request_id: str, tokens: list[int]) -> None:
+    """A request admitted without a hit and computed whole (its prefixes are then known
+    fresh)."""
+    _admitted(side, request(request_id, tokens), ([40 + b for b in range(len(tokens) // 32 + 1)],))
 
 
 @pytest.mark.parametrize(
@@ -458,12 +472,7 @@ def test_after_a_reset_vllms_own_hit_and_what_it_computes_over_are_saved_only_if
         side.reset()
         if index == 0 and computed_since:
             _compute_after_reset(side, "first", TOKENS[:computed_since])
-    r = request("r", TOKENS)
-    assert side.num_new_matched_tokens(r, admitted) == (0, False)
-    table = ([1, 2, 3, 4, 5, 6, 7],)
-    side.after_alloc(r, table, 0)
-    output = scheduler_output(new=[("r", table, admitted, 200 - admitted)], tables={"r": table})
-    meta = side.build_meta(output)
+    meta = _admitted(side, request("r", TOKENS), ([1, 2, 3, 4, 5, 6, 7],), admitted)
     assert [ref.index for t in meta.requests for ref in t.saves] == list(saved)
 
 
@@ -475,9 +484,7 @@ def test_a_pool_hit_over_a_local_hit_from_before_a_reset_loads_but_saves_nothing
     side.reset()
     if fresh:
         _compute_after_reset(side, "first", TOKENS[:64])
-    hashes = RequestHashes(side.plan, "", None, generation=1)
-    hashes.cover(TOKENS, 128)
-    pool.keys.update(side.keys.keys(0, hashes.for_group(32)[:4], [0]))
+    _store(side, pool, TOKENS, [0], 128, generation=1)
     r = request("r", TOKENS)
     assert side.num_new_matched_tokens(r, 64) == (64, False)
     table = ([1, 2, 3, 4, 5, 6, 7],)
@@ -502,11 +509,7 @@ def test_after_a_reset_a_hit_on_what_a_request_generated_since_is_fresh(
         tokens.append(TOKENS[computed])
         first.num_tokens = len(tokens)
         side.build_meta(scheduler_output(cached=[("first", computed, 1)]))
-    r = request("r", TOKENS)
-    assert side.num_new_matched_tokens(r, 128) == (0, False)
-    table = ([1, 2, 3, 4, 5, 6, 7],)
-    side.after_alloc(r, table, 0)
-    meta = side.build_meta(scheduler_output(new=[("r", table, 128, 72)], tables={"r": table}))
+    meta = _admitted(side, request("r", TOKENS), ([1, 2, 3, 4, 5, 6, 7],), 128)
     assert [ref.index for t in meta.requests for ref in t.saves] == [4, 5]
 
 
@@ -517,11 +520,8 @@ def test_after_a_reset_a_hit_on_what_another_request_computes_in_the_same_step_i
     in that step may hit them (here 128 tokens, half of them computed in this step)."""
     side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     side.reset()
-    a = request("a", TOKENS)
-    assert side.num_new_matched_tokens(a, 0) == (0, False)
     first = ([40, 41, 42, 43, 44, 45, 46],)
-    side.after_alloc(a, first, 0)
-    side.build_meta(scheduler_output(new=[("a", first, 0, 64)], tables={"a": first}))
+    _admitted(side, request("a", TOKENS), first, 0, 64)
     b = request("b", TOKENS[:128] + [7] * 72)
     assert side.num_new_matched_tokens(b, 128) == (0, False)
     second = ([40, 41, 42, 43, 1, 2, 3],)
@@ -543,17 +543,9 @@ def test_prefixes_a_request_skipping_vllms_prefix_cache_computes_are_not_fresh(
     of which vLLM may still hold an older block, which it goes on serving first."""
     side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
     side.reset()
-    a = request("a", TOKENS[:100], skip_reading_prefix_cache=True)
-    assert side.num_new_matched_tokens(a, 0) == (0, False)
-    table = ([40, 41, 42, 43],)
-    side.after_alloc(a, table, 0)
-    side.build_meta(scheduler_output(new=[("a", table, 0, 100)], tables={"a": table}))
-    b = request("b", TOKENS)
-    assert side.num_new_matched_tokens(b, 64) == (0, False)
-    other = ([1, 2, 3, 4, 5, 6, 7],)
-    side.after_alloc(b, other, 0)
-    meta = side.build_meta(scheduler_output(new=[("b", other, 64, 136)], tables={"b": other}))
-    assert meta.requests == []
+    skipping = request("a", TOKENS[:100], skip_reading_prefix_cache=True)
+    _admitted(side, skipping, ([40, 41, 42, 43],))
+    assert _admitted(side, request("b", TOKENS), ([1, 2, 3, 4, 5, 6, 7],), 64).requests == []
 
 
 def test_a_tainted_request_whose_background_load_failed_stays_unsaved(
@@ -566,9 +558,7 @@ def test_a_tainted_request_whose_background_load_failed_stays_unsaved(
         vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), load_async=True
     )
     side.reset()
-    hashes = RequestHashes(side.plan, "", None, generation=1)
-    hashes.cover(TOKENS, 128)
-    pool.keys.update(side.keys.keys(0, hashes.for_group(32)[:4], [0]))
+    _store(side, pool, TOKENS, [0], 128, generation=1)
     b = request("b", TOKENS)
     assert side.num_new_matched_tokens(b, 64) == (64, True)
     table = ([1, 2, 3, 4, 5, 6, 7],)
@@ -578,11 +568,7 @@ def test_a_tainted_request_whose_background_load_failed_stays_unsaved(
     b.num_computed_tokens = 96
     side.after_alloc(b, table, 0)
     meta = side.build_meta(scheduler_output(new=[("b", table, 96, 104)], tables={"b": table}))
-    c = request("c", TOKENS[:64] + [9] * 100)
-    assert side.num_new_matched_tokens(c, 64) == (0, False)
-    other = ([1, 2, 20, 21, 22, 23],)
-    side.after_alloc(c, other, 0)
-    later = side.build_meta(scheduler_output(new=[("c", other, 64, 100)], tables={"c": other}))
+    later = _admitted(side, request("c", TOKENS[:64] + [9] * 100), ([1, 2, 20, 21, 22, 23],), 64)
     assert [ref.index for t in [*meta.requests, *later.requests] for ref in t.saves] == []
 
 
@@ -595,10 +581,7 @@ def test_a_request_looked_up_again_after_its_stale_hit_left_saves_again(
     side.reset()
     r = request("r", TOKENS)
     table = ([1, 2, 3, 4, 5, 6, 7],)
-    assert side.num_new_matched_tokens(r, 64) == (0, False)
-    side.after_alloc(r, table, 0)
-    meta = side.build_meta(scheduler_output(new=[("r", table, 64, 64)], tables={"r": table}))
-    assert meta.requests == []
+    assert _admitted(side, r, table, 64, 64).requests == []
     assert side.num_new_matched_tokens(r, 0) == (0, False)
     side.after_alloc(r, table, 0)
     meta = side.build_meta(scheduler_output(resumed=[("r", table, 0, 200)], tables={"r": table}))
@@ -870,17 +853,11 @@ def test_after_a_reset_a_hit_inside_a_block_is_fresh_where_vllm_hashes(
     never known fresh)."""
     side, _ = _tail_side(vllm_specs, 0, local_hit_unit=local_hit_unit)
     side.reset()
-    tables = ([100 + b for b in range(8)], [200 + b for b in range(8)])
-    a = request("a", TOKENS[:100])
-    assert side.num_new_matched_tokens(a, 0) == (0, False)
-    side.after_alloc(a, tables, 0)
-    side.build_meta(scheduler_output(new=[("a", tables, 0, 100)], tables={"a": tables}))
-    b = request("b", TOKENS)
-    assert side.num_new_matched_tokens(b, 40) == (0, False)
+    _admitted(
+        side, request("a", TOKENS[:100]), ([100 + b for b in range(8)], [200 + b for b in range(8)])
+    )
     other = ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17])
-    side.after_alloc(b, other, 0)
-    meta = side.build_meta(scheduler_output(new=[("b", other, 40, 160)], tables={"b": other}))
-    assert bool(meta.requests) is saved
+    assert bool(_admitted(side, request("b", TOKENS), other, 40).requests) is saved
 
 
 def _write_prompt(side: SchedulerSide, pool: Pool, tokens: list[int], chunks: list[int]) -> list:
