@@ -383,10 +383,12 @@ class WorkerSide:
         saves, self._step_saves = self._step_saves, []
         try:
             wait = self.strategy.end_step(keep_saves=not failed)
-        except Exception:  # the client raised: nothing of the step's saves is stored
+        except Exception:  # the client raised: none of the step's saves is stored
             logger.exception("hybridkv: this step's saves could not be issued; not stored")
-            self._count(failed_save_blocks=0 if failed else len(saves))
-            wait, announce, saves = None, {}, []
+            wait, announce = None, {}
+            if not failed:  # (else they go back to the scheduler below)
+                self._count(failed_save_blocks=len(saves))
+                saves = []
         if failed:
             self._steps_scheduled_blind = self._steps_ahead
             self._leave_unsaved(saves)
