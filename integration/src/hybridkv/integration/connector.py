@@ -121,7 +121,7 @@ def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:
 
 def _vllm_hash_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     # vLLM hashes requests at kv_cache_config.hash_block_size (set by the engine core).
-    return kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+    return int(kv_cache_config.hash_block_size or vllm_config.cache_config.block_size)
 
 
 def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
