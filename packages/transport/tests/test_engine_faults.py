@@ -151,6 +151,52 @@ def test_a_session_whose_revoke_failed_is_revoked_before_its_key_is_reused(
     assert_clean(store, outstanding)
 
 
+def _revoke_raises(keys: Sequence[str]) -> list[Status]:
+    raise RuntimeError("client error in revoke")
+
+
+def test_a_revoke_whose_client_raises_leaves_its_key_failed_remembered_and_reusable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key's put session end fails, then its revoke raises (not a store error): the step
+    raises with the key failed and remembered, and the key's next save revokes it first."""
+    store = MemoryStore()
+    caches, saves = filled_caches_and_saves(seed=27)
+    broken = saves[1]
+    store.fail_next("put_session_end", [broken.key], Status.TRANSFER_FAILED)
+    monkeypatch.setattr(store, "put_session_revoke", _revoke_raises)
+    with engine_for(store, caches, "layer") as engine:
+        step = engine.begin_layerwise(saves=saves)
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        with pytest.raises(RuntimeError, match="client error in revoke"):
+            step.finish()
+        assert step._save_outcome.result().failed_keys == [broken.key]
+        assert store.open_put_sessions() == {broken.key}
+        assert len(engine._stale) == 1
+        monkeypatch.undo()
+        assert save(engine, saves, "layer").ok
+        outstanding = engine.outstanding("save")
+    assert store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
+    assert_clean(store, outstanding)
+
+
+def test_a_close_whose_teardown_raises_still_frees_staging_and_unregisters() -> None:
+    store = MemoryStore()
+    caches, saves = filled_caches_and_saves(seed=28)
+    engine = engine_for(store, caches, "staged")
+    assert save(engine, saves, "staged").ok
+    unregistered: list[int] = []
+    store.unregister_buffer = unregistered.append  # type: ignore[method-assign]
+    engine._stale.revoke_all = functools.partial(_revoke_raises, [])  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="client error in revoke"):
+        engine.close()
+    assert engine.staging is not None
+    assert engine.staging.capacity > 0
+    assert len(unregistered) >= 2  # the staging buffer and the caches
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
+
+
 def test_a_key_another_writer_held_stays_contended_when_the_check_gets_no_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -198,6 +244,12 @@ def test_stale_sessions_remember_exactly_the_revokes_the_pool_did_not_confirm(
     monkeypatch.setattr(store, "put_session_revoke", unanswered)
     stale.revoke_again(["a"])
     assert len(stale) == 1
+    monkeypatch.setattr(store, "put_session_revoke", _revoke_raises)
+    with pytest.raises(RuntimeError, match="client error"):
+        stale.revoke(["b"])  # never opened: remembered all the same, as nothing confirmed it
+    assert len(stale) == 2
+    stale.revoke_all()  # at close: logged, not raised
+    assert len(stale) == 2
     monkeypatch.setattr(store, "put_session_revoke", revoke)
     stale.revoke_all()
     assert len(stale) == 0
@@ -457,20 +509,20 @@ class CrashingSessionStore(MemoryStore):
         raise RuntimeError("client crashed starting a get session")
 
 
-class FirstReadRaises(MemoryStore):
-    """The first call of `operation` raises (not a store error) before moving anything."""
+class ReadRaises(MemoryStore):
+    """Call `at` (0-based) of `operation` raises (not a store error) before moving anything."""
 
-    def __init__(self, operation: str) -> None:
+    def __init__(self, operation: str, at: int = 0) -> None:
         super().__init__()
         read = getattr(self, operation)
         calls = itertools.count()
 
-        def first_raises(*args: object) -> object:
-            if next(calls) == 0:
+        def raises_at(*args: object) -> object:
+            if next(calls) == at:
                 raise RuntimeError(f"client crashed in {operation}")
             return read(*args)
 
-        setattr(self, operation, first_raises)
+        setattr(self, operation, raises_at)
 
 
 @pytest.mark.parametrize(
@@ -478,8 +530,8 @@ class FirstReadRaises(MemoryStore):
     [
         (CrashingGetStore, "staged"),
         (CrashingSessionStore, "layer"),
-        (functools.partial(FirstReadRaises, "get_ranges"), "layer"),
-        (functools.partial(FirstReadRaises, "batch_get_whole"), "group"),
+        (functools.partial(ReadRaises, "get_ranges"), "layer"),
+        (functools.partial(ReadRaises, "batch_get_whole"), "group"),
     ],
     ids=["staged-fetch", "get-session-start", "layer-read", "group-read"],
 )
@@ -501,6 +553,7 @@ def test_a_load_whose_client_raises_fails_every_block_copies_nothing_and_leaks_n
         with pytest.raises(RuntimeError, match="client crashed"):
             step.wait_layer_loaded(NUM_LAYERS - 1)
         assert step._load_outcome.failed_blocks() == every_block
+        assert step.blamed_loads() == []  # no object is at fault
         for layer in range(NUM_LAYERS - 1):
             with pytest.raises(RuntimeError, match="client crashed"):
                 step.wait_layer_loaded(layer)
@@ -510,6 +563,32 @@ def test_a_load_whose_client_raises_fails_every_block_copies_nothing_and_leaks_n
         assert reader.staging is None or reader.staging.in_use == 0
         outstanding = reader.outstanding("load")
     assert not any(array.any() for array in target.arrays.values())
+    assert_clean(store, outstanding)
+
+
+def test_a_step_whose_client_raises_blames_only_the_reads_the_store_failed() -> None:
+    """A read the store failed (a status) before the client raised stays blamed, through
+    the drain too; the blocks the client error failed are failed, not blamed."""
+    store = ReadRaises("get_ranges", at=2)  # layer 0's read and its retry, then layer 1's
+    source, saves = filled_caches_and_saves(seed=25)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    broken = saves[0]  # group 0: layers 0 and 2
+    store.fail_next("get_ranges", [broken.key], Status.TRANSFER_FAILED, calls=2)
+    target = Caches(num_blocks=8, seed=26)
+    with engine_for(store, target, "layer", prefetch_layers=0) as reader:
+        step = reader.begin_layerwise(loads=saves)
+        assert step.wait_layer_loaded(0) == {0: {broken.local_block}}
+        assert step.blamed_loads() == [broken.key]
+        with pytest.raises(RuntimeError, match="client crashed"):
+            step.wait_layer_loaded(1)
+        with pytest.raises(RuntimeError, match="client crashed"):
+            step.finish()
+        assert step._load_outcome.failed_blocks() == {
+            group: set(blocks) for group, blocks in BLOCKS.items()
+        }
+        assert step.blamed_loads() == [broken.key]
+        outstanding = reader.outstanding("load")
     assert_clean(store, outstanding)
 
 

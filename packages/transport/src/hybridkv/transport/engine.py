@@ -263,11 +263,13 @@ class TransferEngine:
             self._sender.close()
             self._receiver.close()
             self._stale.revoke_all()
-            if self.staging is not None:
-                self.staging.close()
-            self._unregister_buffers()
         finally:
-            self._drained.set()
+            try:  # whatever raised: the caller frees this memory once close returns
+                if self.staging is not None:
+                    self.staging.close()
+                self._unregister_buffers()
+            finally:
+                self._drained.set()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -448,6 +450,15 @@ class LayerwiseStep:
             for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
                 job.wait()  # raises the first error
         return self._load_outcome.failed_blocks()
+
+    def blamed_loads(self) -> list[str]:
+        """Keys whose reads the store failed so far (a status): the objects to distrust.
+
+        Unlike `wait_layer_loaded`, safe once the step raised: blocks a client error
+        failed (every block its call or any later layer touched) are not counted, since
+        no object is at fault there.
+        """
+        return self._load_outcome.blamed_keys()
 
     def save_layer(self, layer: int, event: Event) -> None:
         """Queue layer `layer`'s saves; they read its KV only after `event`.

@@ -88,6 +88,7 @@ class Outcome:
         self._started = time.perf_counter()
         self._riding = 0  # saves riding on another transfer's write of the same key
         self.no_space = False  # the pool refused some key for want of room
+        self._unblamed: set[str] = set()  # failed by a client error, not by the store
 
     def ride(self, count: int) -> None:
         with self._lock:
@@ -138,10 +139,22 @@ class Outcome:
         with self._lock:
             return set(self._result.contended_keys)
 
-    def failed(self, group: int, keys: Iterable[str], blocks: Iterable[int]) -> None:
+    def failed(
+        self, group: int, keys: Iterable[str], blocks: Iterable[int], blamed: bool = True
+    ) -> None:
+        """`blamed`: the store failed these keys (a status); False when a client error
+        failed them, which says nothing of their objects."""
         with self._lock:
+            keys = list(keys)
             self._result.failed_keys.extend(keys)
             self._result.failed_blocks.setdefault(group, set()).update(blocks)
+            if not blamed:
+                self._unblamed.update(keys)
+
+    def blamed_keys(self) -> list[str]:
+        """The failed keys whose store answered with a failure, in failure order."""
+        with self._lock:
+            return [key for key in self._result.failed_keys if key not in self._unblamed]
 
     def failed_blocks(self) -> dict[int, set[int]]:
         with self._lock:
@@ -481,15 +494,16 @@ class Transfers:
         _log_failures(operation, statuses)
         return failed
 
-    def fail(self, rows: Iterable[tuple[GroupBatch, int]]) -> None:
+    def fail(self, rows: Iterable[tuple[GroupBatch, int]], blamed: bool = True) -> None:
         for batch, row in rows:
             if batch.alive[row]:
                 batch.alive[row] = False
                 group, block = batch.layout.group_id, int(batch.blocks[row])
-                self.outcome.failed(group, [batch.keys[row]], [block])
+                self.outcome.failed(group, [batch.keys[row]], [block], blamed)
 
-    def fail_all(self, batches: Iterable[GroupBatch]) -> None:
-        self.fail((batch, int(row)) for batch in batches for row in batch.live())
+    def fail_all(self, batches: Iterable[GroupBatch], blamed: bool = True) -> None:
+        rows = ((batch, int(row)) for batch in batches for row in batch.live())
+        self.fail(rows, blamed)
 
     def layer_call(self, layer: int) -> Call:
         call = Call()
@@ -698,10 +712,10 @@ class RangedWrites(Writes):
             raise
         failed = [row for row, status in zip(rows, statuses, strict=True) if not status.ok]
         self._commit_rows(row for row, status in zip(rows, statuses, strict=True) if status.ok)
-        self._revoke([batch.keys[row] for batch, row in failed])
-        self.fail(failed)
+        self.fail(failed)  # before the revoke, which may raise: they failed either way
         for batch in batches:
             batch.alive[:] = False
+        self._revoke([batch.keys[row] for batch, row in failed])
 
     def drop(self, batches: Sequence[GroupBatch]) -> None:
         self._revoke([key for batch in batches for key in batch.keys_of(batch.live())])
@@ -821,7 +835,7 @@ class Reads(Transfers, ABC):
         try:
             work()
         except BaseException:
-            self.fail_all(self.batches.values())
+            self.fail_all(self.batches.values(), blamed=False)
             raise
 
     def caches_writable(self) -> None:
@@ -1108,7 +1122,7 @@ class LayerwiseStagedReads(StagedReads):
         self._fetched = True
         try:
             failed = self._fetch.result()
-        except BaseException:
-            self.fail_all(self.batches.values())  # the slabs' contents are unknown
+        except BaseException:  # the slabs' contents are unknown
+            self.fail_all(self.batches.values(), blamed=False)
             raise
         self.fail(failed)

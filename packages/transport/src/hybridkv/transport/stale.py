@@ -32,8 +32,14 @@ class StaleSessions:
         self._lock = threading.Lock()
 
     def revoke(self, keys: Sequence[str]) -> None:
-        """Revoke the sessions of `keys`, remembering each the pool did not confirm."""
-        unconfirmed = self._unconfirmed(keys)
+        """Revoke the sessions of `keys`, remembering each the pool did not confirm (all
+        of them when the client raises, which this re-raises)."""
+        try:
+            unconfirmed = self._unconfirmed(keys)
+        except BaseException:
+            with self._lock:
+                self._keys.update(keys)
+            raise
         with self._lock:
             self._keys.difference_update(keys)
             self._keys.update(unconfirmed)
@@ -50,7 +56,10 @@ class StaleSessions:
         """At close: one last try for every remembered key; logs what stays open."""
         with self._lock:
             keys = sorted(self._keys)
-        self.revoke(keys)
+        try:
+            self.revoke(keys)
+        except Exception:  # the client is closing: what it could not revoke is logged below
+            log.warning("put_session_revoke of %d keys raised at close", len(keys), exc_info=True)
         with self._lock:
             left = len(self._keys)
         if left:
