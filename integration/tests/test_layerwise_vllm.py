@@ -306,6 +306,26 @@ def test_a_load_raising_in_the_forward_fails_every_load_and_the_forward_goes_on(
         rig.close()
 
 
+def test_a_load_raising_after_a_failed_read_blames_that_read_only() -> None:
+    """The store failed a read (a status) before the client raised in a later layer's
+    load: the strategy drained the step before the hook saw the error, yet that read is
+    blamed, and none of the blocks the client error failed."""
+    store = ClientFailsReads()
+    rig = Rig(store)
+    try:
+        failed = rig.key(0, BLOCKS[0], "s")
+        layerwise, ctx = _loaded_step(rig, True, failing=failed.__eq__)
+        layerwise.wait_for_layer_load(ATTENTION[0])
+        store.broken = True  # every read from here on raises: layer 3's at least
+        forward(layerwise, rig, ctx[MIXER], 0)
+        loaded = layerwise.finish_loads()
+        assert loaded.failed_blocks == {group: set(BLOCKS) for group in (0, 1, 2)}
+        assert loaded.failed_keys == [failed]
+        assert layerwise.end_step() is None
+    finally:
+        rig.close()
+
+
 def test_a_step_whose_begin_raised_lets_its_forward_through(rig: Rig) -> None:
     ctx = context(rig)
     layerwise = VllmLayerwise(rig.strategy, plan_vllm_layers(ctx, set(ctx)))

@@ -168,6 +168,27 @@ def test_unpublished_server_is_a_miss() -> None:
     client.close()
 
 
+def test_a_socket_that_cannot_connect_is_a_miss_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = LookupClient(lambda: "nowhere://at-all", timeout_ms=100)
+    with caplog.at_level(logging.WARNING):
+        assert client.query(["yes"]) is None
+        assert client.remove() is None
+    assert "could not connect" in caplog.text
+    client.close()
+
+
+def test_an_answer_stands_when_tidying_up_after_it_fails(server: LookupServer) -> None:
+    def refused() -> None:
+        raise PermissionError("the socket's file is not ours to remove")
+
+    client = LookupClient(lambda: server.address, timeout_ms=2000, answered=refused)
+    assert client.query(["yes", "no"]) == [True, False]
+    assert client.query(["yes"]) == [True]
+    client.close()
+
+
 def test_removal_round_trip_and_its_failures(
     server: LookupServer, caplog: pytest.LogCaptureFixture
 ) -> None:

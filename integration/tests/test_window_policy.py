@@ -261,7 +261,7 @@ def test_failed_gets_are_reported_as_local_blocks_for_recompute() -> None:
     rig, _ = _loading_with(StoreUnavailable("segment gone (injected)"))
     try:
         with rig.strategy.window(ATTENTION[0]):
-            failed = rig.strategy.failed_loads()  # groups 0 and 2 hold layer 0
+            failed = rig.strategy.wait_all_loads()  # groups 0 and 2 hold layer 0
             assert failed[0] == set(BLOCKS)
             assert failed[2] == set(BLOCKS)
         result = rig.strategy.wait_for_save()

@@ -685,6 +685,28 @@ def test_a_save_that_raises_when_issued_stores_and_announces_nothing(vllm_specs:
     worker.close()
 
 
+def test_saves_of_a_layerwise_step_whose_start_raised_count_as_failed(vllm_specs: Any) -> None:
+    """A step with saves only: its layerwise start raises (the client), the forward goes
+    on, and its blocks count as failed saves, not as saved."""
+    keys, _, layouts = _model(vllm_specs)
+    engine = TransferEngine(MemoryStore(), layouts, PipelineOptions(granularity="layer"))
+    worker = WorkerSide(keys, engine, _layerwise(engine), 0, CpuEvent)
+
+    def raising(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("client crashed")
+
+    engine.begin_layerwise = raising  # type: ignore[method-assign]
+    saves = _refs([(0, 0, 1), (0, 1, 2)])
+    try:
+        _step(worker, [RequestTransfers(request_id="a", saves=saves)])
+        assert worker.take_stored_events() == []
+        stats = worker.counters.take()
+        assert stats is not None
+        assert (stats.data["saved_blocks"], stats.data["failed_save_blocks"]) == (0, 2)
+    finally:
+        worker.close()
+
+
 def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     worker, _, store = rig
     events = [_stored_event(index) for index in range(2)]

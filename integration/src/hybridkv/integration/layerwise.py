@@ -112,10 +112,10 @@ class VllmLayerwise:
         self._loaded: TransferResult | None = None  # the step's loads, once waited for
         # A hook of this step raised (an error of the client, not a store failure, which
         # the transport reports per block): the step was drained, the rest of the forward
-        # passes through, every load counts as failed; those whose reads had failed before
+        # passes through, every load counts as failed; those whose reads the store failed
         # are blamed (quarantined).
         self._step_raised = False
-        self._failed_before_raise: dict[int, set[int]] = {}
+        self._blamed_in_drain: set[str] = set()
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
@@ -146,7 +146,7 @@ class VllmLayerwise:
         self._loads = list(loads)
         self._loaded = None
         self._step_raised = False
-        self._failed_before_raise = {}
+        self._blamed_in_drain = set()
         with self._failing_the_step():
             self.strategy.begin_step(loads, saves, hold_saves)
             if loads and self._riders_through is not None:
@@ -211,13 +211,13 @@ class VllmLayerwise:
 
     def finish_loads(self) -> TransferResult:
         """Wait for every get of the step; an error (now or earlier in the step) counts as
-        every load failing, and blames the reads that had failed before it."""
+        every load failing, and blames the reads the store failed (before it or while the
+        step drained)."""
         if self._loaded is None:
             loads = self._loads
             failed = self._guarded(self.strategy.wait_all_loads, None)
             if failed is None:  # the step was drained when it raised
-                before = self._failed_before_raise
-                blamed = [t.key for t in loads if t.local_block in before.get(t.group, ())]
+                blamed = [t.key for t in loads if t.key in self._blamed_in_drain]
                 self._loaded = all_failed(loads, blamed)
             else:
                 lost = {(group, block) for group, blocks in failed.items() for block in blocks}
@@ -273,8 +273,8 @@ class VllmLayerwise:
             yield
         except BaseException:
             self._step_raised = True
-            self._failed_before_raise = self.strategy.failed_loads()  # their reads failed
-            self.strategy.abort()
+            self.strategy.abort()  # unless the strategy drained the step already
+            self._blamed_in_drain = set(self.strategy.drained_blame)
             raise
 
     def close(self) -> None:

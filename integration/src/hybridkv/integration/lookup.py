@@ -241,14 +241,18 @@ class LookupClient:
         if address is None:
             return None
         socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-        # A request that timed out stays unanswered: the next one goes out on the same
-        # connection, and the late reply is told apart and dropped. The connection, not
-        # the socket's path, is what a lookup needs once answered.
-        socket.setsockopt(zmq.REQ_RELAXED, 1)
-        socket.setsockopt(zmq.REQ_CORRELATE, 1)
-        socket.connect(address)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+            # A request that timed out stays unanswered: the next one goes out on the same
+            # connection, and the late reply is told apart and dropped. The connection, not
+            # the socket's path, is what a lookup needs once answered.
+            socket.setsockopt(zmq.REQ_RELAXED, 1)
+            socket.setsockopt(zmq.REQ_CORRELATE, 1)
+            socket.connect(address)
+        except zmq.ZMQError:
+            socket.close(0)
+            raise
         self._socket = socket
         return socket
 
@@ -278,7 +282,11 @@ class LookupClient:
         """One round trip; None (after a warning saying `fallback`) unless answered
         within `timeout_ms`, or unless the reply to a timed-out request is still due after
         `late_ms`."""
-        socket = self._connect()
+        try:
+            socket = self._connect()
+        except zmq.ZMQError as exc:  # e.g. out of file descriptors: a miss, not a crash
+            logger.warning("hybridkv %s could not connect (%s): %s", what, exc, fallback)
+            return None
         if socket is None:
             logger.warning("hybridkv lookup server not listening yet: %s %s", what, fallback)
             return None
@@ -309,7 +317,10 @@ class LookupClient:
             return None
         if self._answered is not None:
             answered, self._answered = self._answered, None
-            answered()
+            try:
+                answered()
+            except OSError as exc:  # the answer stands; only the tidying failed
+                logger.warning("hybridkv lookup: after the first answer: %s", exc)
         if reply.error is not None:
             logger.warning("hybridkv %s refused: %s", what, reply.error)
             return None

@@ -101,6 +101,8 @@ class LayerwiseStrategy:
         self._reporters = dict(reporters)
         self._new_event = new_event
         self._state: _StepState | None = None
+        # The keys whose reads the store failed in the step drained last (see `abort`).
+        self.drained_blame: list[str] = []
         self.stats = LayerwiseStats()
 
     @property
@@ -128,6 +130,7 @@ class LayerwiseStrategy:
         `hold_saves`: every put waits for `wait_for_save` (see `TransferStrategy`)."""
         if self._state is not None:
             self.abort()  # the previous forward died before wait_for_save
+        self.drained_blame = []
         unreported: dict[int, set[str]] = {layer: set() for layer in self._layers}
         for name, layer in self._reporters.items():
             unreported[layer].add(name)
@@ -165,13 +168,6 @@ class LayerwiseStrategy:
         self.stats.finish_wait_s += time.perf_counter() - started  # exposed at step end
         state.loaded.update(self._layers)
         return state.failed_loads
-
-    def failed_loads(self) -> dict[int, set[int]]:
-        """Local blocks (per group) whose gets failed so far in the open step.
-
-        They hold no valid KV; the worker reports them to vLLM, which recomputes.
-        """
-        return {} if self._state is None else self._state.failed_loads
 
     @contextmanager
     def window(self, name: str) -> Iterator[None]:
@@ -229,6 +225,8 @@ class LayerwiseStrategy:
 
         Groups that got all their layers commit, the others are revoked; a transfer error
         met while draining is logged, not raised over the error that caused the abort.
+        `drained_blame` keeps the keys whose reads the store failed, to quarantine (not
+        those a client error failed: no object is at fault there).
         """
         state, self._state = self._state, None
         if state is None:
@@ -237,6 +235,7 @@ class LayerwiseStrategy:
             state.step.finish()
         except Exception:
             log.warning("layerwise step drained after an error", exc_info=True)
+        self.drained_blame = state.step.blamed_loads()
 
     def reset_stats(self) -> LayerwiseStats:
         stats, self.stats = self.stats, LayerwiseStats()

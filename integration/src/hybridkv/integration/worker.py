@@ -385,7 +385,9 @@ class WorkerSide:
             wait = self.strategy.end_step(keep_saves=not failed)
         except Exception:  # the client raised: none of the step's saves is stored
             logger.exception("hybridkv: this step's saves could not be issued; not stored")
-            wait, announce = None, {}
+            wait = None
+        if wait is None:  # it raised now, or its step raised before: no save went out
+            announce = {}
             if not failed:  # (else they go back to the scheduler below)
                 self._count(failed_save_blocks=len(saves))
                 saves = []
