@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +207,30 @@ def background_loads_reason(vllm_groups: int, plan: KVPlan) -> str | None:
             "a step; vLLM learns of a failed background load before any stage computes"
         )
     return None
+
+
+# How long shutdown waits for the worker's transfers to drain (vLLM itself kills workers
+# that take more than a few seconds to stop).
+SHUTDOWN_WAIT_S = 10.0
+
+
+def finished_within(work: Callable[[], None], seconds: float, name: str) -> bool:
+    """Run `work` on a daemon thread; whether it returned within `seconds` (what it
+    raised is raised here). A daemon thread still running does not keep the process."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if errors:
+        raise errors[0]
+    return not thread.is_alive()
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -566,18 +591,30 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        """Stop threads, sessions, sockets and any embedded master; safe to call twice."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-            if self._socket_path is not None:
-                remove_socket(self._socket_path)
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Stop threads, sessions, sockets and any embedded master; safe to call twice.
+
+        A store call that hangs holds shutdown up for `SHUTDOWN_WAIT_S` at most: the
+        transfers still running are then left, with the store, to the process's exit."""
+        idle = True
+        worker, self._worker = self._worker, None
+        try:
+            if worker is not None:
+                idle = finished_within(worker.close, SHUTDOWN_WAIT_S, "hybridkv-shutdown")
+                if not idle:
+                    logger.error(
+                        "hybridkv: transfers still running %g s into shutdown; left to the "
+                        "process's exit with the store",
+                        SHUTDOWN_WAIT_S,
+                    )
+        finally:  # a close that raised has stopped its threads: the rest goes too
+            server, self._server = self._server, None
+            if server is not None:
+                idle &= server.close()
+                if self._socket_path is not None:
+                    remove_socket(self._socket_path)
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.close(store_idle=idle)
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -192,7 +192,8 @@ class LookupServer:
                     return
                 logger.warning("hybridkv lookup server socket error: %s", exc)
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Whether the server stopped (False: an answer still runs, its store call too)."""
         self._stop.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # its socket is not ours to close while it answers
@@ -200,9 +201,10 @@ class LookupServer:
                 "hybridkv lookup server still answering after %g s; left to the process's exit",
                 timeout_s,
             )
-            return
+            return False
         self._socket.close(0)
         self._context.term()
+        return True
 
 
 class LookupClient:

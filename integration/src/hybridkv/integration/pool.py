@@ -62,9 +62,11 @@ class Pool:
     # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see `granularity_for`.
     rdma: bool = False
 
-    def close(self) -> None:
+    def close(self, store_idle: bool = True) -> None:
+        """`store_idle=False`: a call of ours may still run in the store, which is then
+        left open to the process's exit (closing it under a call crashes Mooncake)."""
         try:
-            if not isinstance(self.store, MemoryStore):
+            if store_idle and not isinstance(self.store, MemoryStore):
                 self.store.close()
         finally:
             if self.master is not None:
