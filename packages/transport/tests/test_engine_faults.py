@@ -592,6 +592,59 @@ def test_a_step_whose_client_raises_blames_only_the_reads_the_store_failed() -> 
     assert_clean(store, outstanding)
 
 
+@pytest.mark.parametrize(
+    ("first", "retry", "blamed"),
+    [
+        (Status.RPC_FAILED, Status.RPC_FAILED, False),
+        (Status.TRANSFER_FAILED, Status.TRANSFER_FAILED, True),
+        (Status.RPC_FAILED, Status.TRANSFER_FAILED, True),
+        (Status.TRANSFER_FAILED, Status.RPC_FAILED, False),
+    ],
+)
+def test_a_read_is_blamed_on_its_object_by_the_store_s_last_word_on_it(
+    first: Status, retry: Status, blamed: bool
+) -> None:
+    """A ranged read retries a failed key once. RPC_FAILED (the master did not answer)
+    says nothing of the object, any other failure does; the retry's word stands."""
+    store = MemoryStore()
+    source, saves = filled_caches_and_saves(seed=29)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    broken = saves[0]  # group 0: layers 0 and 2
+    store.fail_next("get_ranges", [broken.key], first)
+    store.fail_next("get_ranges", [broken.key], retry)
+    target = Caches(num_blocks=8, seed=30)  # held: the engine writes into its memory
+    with engine_for(store, target, "layer") as reader:
+        step = reader.begin_layerwise(loads=saves)
+        assert step.wait_layer_loaded(0) == {0: {broken.local_block}}
+        result = step.finish()
+        assert step.blamed_loads() == ([broken.key] if blamed else [])
+        outstanding = reader.outstanding("load")
+    assert result.failed_keys == [broken.key]
+    assert result.blamed_keys == step.blamed_loads()
+    assert_clean(store, outstanding)
+
+
+@pytest.mark.parametrize("mode", ["whole", "staged", "group"])
+def test_a_load_the_master_does_not_answer_fails_every_key_and_blames_none(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = MemoryStore()
+    source, saves = filled_caches_and_saves(seed=31)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+
+    def unanswered(*args: object) -> list[Status]:
+        raise StoreUnavailable("master gone")
+
+    monkeypatch.setattr(store, "batch_get_whole", unanswered)
+    target = Caches(num_blocks=8, seed=32)
+    with engine_for(store, target, mode) as reader:
+        result = load(reader, saves, mode)
+    assert sorted(result.failed_keys) == sorted(t.key for t in saves)
+    assert result.blamed_keys == []
+
+
 def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
     start_mooncake_master: StartMaster,
 ) -> None:
@@ -614,6 +667,7 @@ def test_objects_of_a_dead_segment_owner_fail_the_load_not_the_reader(
                 result = step.finish()
                 assert reader.outstanding("load") == 0
             assert result.failed_blocks == {0: {5, 6}, 1: {7, 0}, 2: {1}}
+            assert sorted(result.blamed_keys) == sorted(t.key for t in loads)  # the store said so
     finally:
         reader_store.close()
 

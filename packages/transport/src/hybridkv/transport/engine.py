@@ -452,13 +452,14 @@ class LayerwiseStep:
         return self._load_outcome.failed_blocks()
 
     def blamed_loads(self) -> list[str]:
-        """Keys whose reads the store failed so far (a status): the objects to distrust.
+        """Keys whose reads the store failed so far (a status about them): the objects to
+        distrust.
 
-        Unlike `wait_layer_loaded`, safe once the step raised: blocks a client error
-        failed (every block its call or any later layer touched) are not counted, since
-        no object is at fault there.
+        Unlike `wait_layer_loaded`, safe once the step raised. Blocks a client error
+        failed (every block its call or any later layer touched), or a call the master
+        did not answer, are failed but not counted here: no object is at fault there.
         """
-        return self._load_outcome.blamed_keys()
+        return self._load_outcome.result().blamed_keys
 
     def save_layer(self, layer: int, event: Event) -> None:
         """Queue layer `layer`'s saves; they read its KV only after `event`.

@@ -29,7 +29,7 @@ from functools import cached_property
 import msgspec
 import numpy as np
 
-from hybridkv.transport.errors import Status, StoreError
+from hybridkv.transport.errors import Status, StoreError, StoreUnavailable
 from hybridkv.transport.events import Event
 from hybridkv.transport.layout import BlockIds, GroupLayout, Ranges
 from hybridkv.transport.ownership import BlockTransfer
@@ -58,12 +58,21 @@ class TransferResult(msgspec.Struct):
     # Keys another client was writing when this save ran, not readable when it settled:
     # neither stored by this save nor failed by it.
     contended_keys: list[str] = msgspec.field(default_factory=list)
+    # Failed keys whose objects are not at fault: the master did not answer, or the
+    # client raised. The others (`blamed_keys`) failed by the store's word on them.
+    unblamed_keys: list[str] = msgspec.field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return not self.failed_keys
+
+    @property
+    def blamed_keys(self) -> list[str]:
+        """Failed keys whose objects the store failed (a status about them): to distrust."""
+        unblamed = set(self.unblamed_keys)
+        return [key for key in self.failed_keys if key not in unblamed]
 
     def merged(self, other: TransferResult) -> TransferResult:
         failed = {group: set(blocks) for group, blocks in self.failed_blocks.items()}
@@ -74,6 +83,7 @@ class TransferResult(msgspec.Struct):
             failed_keys=self.failed_keys + other.failed_keys,
             skipped_keys=self.skipped_keys + other.skipped_keys,
             contended_keys=self.contended_keys + other.contended_keys,
+            unblamed_keys=self.unblamed_keys + other.unblamed_keys,
             bytes=self.bytes + other.bytes,
             seconds=max(self.seconds, other.seconds),
         )
@@ -88,7 +98,7 @@ class Outcome:
         self._started = time.perf_counter()
         self._riding = 0  # saves riding on another transfer's write of the same key
         self.no_space = False  # the pool refused some key for want of room
-        self._unblamed: set[str] = set()  # failed by a client error, not by the store
+        self._unblamed: set[str] = set()  # see TransferResult.unblamed_keys
 
     def ride(self, count: int) -> None:
         with self._lock:
@@ -142,8 +152,8 @@ class Outcome:
     def failed(
         self, group: int, keys: Iterable[str], blocks: Iterable[int], blamed: bool = True
     ) -> None:
-        """`blamed`: the store failed these keys (a status); False when a client error
-        failed them, which says nothing of their objects."""
+        """`blamed=False`: a client error failed these keys, which says nothing of their
+        objects (nor does an unanswered call, see `judged`)."""
         with self._lock:
             keys = list(keys)
             self._result.failed_keys.extend(keys)
@@ -151,10 +161,15 @@ class Outcome:
             if not blamed:
                 self._unblamed.update(keys)
 
-    def blamed_keys(self) -> list[str]:
-        """The failed keys whose store answered with a failure, in failure order."""
+    def judged(self, keys: Sequence[str], statuses: Sequence[Status]) -> None:
+        """A call's statuses: a key the master did not answer for (RPC_FAILED) is no
+        object's fault; the latest word on a key (a retry's) stands."""
         with self._lock:
-            return [key for key in self._result.failed_keys if key not in self._unblamed]
+            for key, status in zip(keys, statuses, strict=True):
+                if status is Status.RPC_FAILED:
+                    self._unblamed.add(key)
+                elif not status.ok:
+                    self._unblamed.discard(key)
 
     def failed_blocks(self) -> dict[int, set[int]]:
         with self._lock:
@@ -164,6 +179,7 @@ class Outcome:
         with self._lock:
             done = msgspec.structs.replace(self._result)
             done.seconds = time.perf_counter() - self._started
+            done.unblamed_keys = [key for key in done.failed_keys if key in self._unblamed]
             return done
 
 
@@ -490,6 +506,8 @@ class Transfers:
                 self.outcome.moved(nbytes)
             else:
                 failed.append((batch, row))
+        if failed:
+            self.outcome.judged(call.keys[part], statuses)
         self.outcome.no_space |= Status.NO_SPACE in statuses
         _log_failures(operation, statuses)
         return failed
@@ -530,12 +548,18 @@ class Transfers:
 
 
 def _guarded(send: StoreCall, part: slice, operation: str) -> list[Status]:
-    """The statuses of one call; a store error fails every key of it (OTHER)."""
+    """The statuses of one call; a store error fails every key of it."""
     try:
         return send(part)
     except StoreError as exc:
         log.warning("%s of %d keys failed: %s", operation, part.stop - part.start, exc)
-        return [Status.OTHER] * (part.stop - part.start)
+        return [status_of(exc)] * (part.stop - part.start)
+
+
+def status_of(error: StoreError) -> Status:
+    """The status a call that raised `error` leaves each of its keys with: RPC_FAILED
+    when nothing answered (no word on any object), else OTHER."""
+    return Status.RPC_FAILED if isinstance(error, StoreUnavailable) else Status.OTHER
 
 
 class Writes(Transfers, ABC):
@@ -654,7 +678,7 @@ class RangedWrites(Writes):
             except StoreError as exc:
                 log.warning("put_session_start failed: %s", exc)
                 self._revoke(call.keys[part])
-                statuses = [Status.OTHER] * len(call.keys[part])
+                statuses = [status_of(exc)] * len(call.keys[part])
             self.outcome.no_space |= Status.NO_SPACE in statuses
             _log_failures("put_session_start", [s for s in statuses if s is not Status.EXISTS])
             for placed, status in zip(call.rows[part], statuses, strict=True):
@@ -702,7 +726,7 @@ class RangedWrites(Writes):
             statuses = self.store.put_session_end(keys)
         except StoreError as exc:
             log.warning("put_session_end of %d keys failed: %s", len(keys), exc)
-            statuses = [Status.OTHER] * len(keys)
+            statuses = [status_of(exc)] * len(keys)
         except BaseException:
             # An error of the client: not knowing which sessions ended, revoke them all (an
             # ended one is no open session: it stays) and fail every key (`abort` skips a
@@ -889,13 +913,14 @@ class RangedReads(Reads):
             statuses = self.store.get_session_start(keys)
         except StoreError as exc:  # raised before any key was pinned
             log.warning("get_session_start of %d keys failed: %s", len(keys), exc)
-            statuses = [Status.OTHER] * len(keys)
+            statuses = [status_of(exc)] * len(keys)
         except BaseException:
             # Any other error may come after some keys were pinned: `end` releases them
             # all rather than leave them leased until the master's lease expires.
             self._pinned = keys
             raise
         _log_failures("get_session_start", statuses)
+        self.outcome.judged(keys, statuses)
         self._pinned = [key for key, status in zip(keys, statuses, strict=True) if status.ok]
         pinned = set(self._pinned)
         self.fail(
