@@ -280,7 +280,7 @@ def _failed_every_load(layerwise: VllmLayerwise, rig: Rig, loads: dict[int, set[
     object is blamed (quarantined): the client raised, not a read of them."""
     loaded = layerwise.finish_loads()
     assert loaded.failed_blocks == loads
-    assert loaded.failed_keys == []
+    assert loaded.blamed_keys == []
     assert layerwise.end_step() is None
     assert layerwise.finish_loads() is loaded  # the same answer all step
     assert not any(rig.readable(group, SAVED, "n") for group in (0, 1, 2))
@@ -320,7 +320,7 @@ def test_a_load_raising_after_a_failed_read_blames_that_read_only() -> None:
         forward(layerwise, rig, ctx[MIXER], 0)
         loaded = layerwise.finish_loads()
         assert loaded.failed_blocks == {group: set(BLOCKS) for group in (0, 1, 2)}
-        assert loaded.failed_keys == [failed]
+        assert loaded.blamed_keys == [failed]
         assert layerwise.end_step() is None
     finally:
         rig.close()
@@ -347,7 +347,7 @@ def test_an_op_raising_in_a_window_fails_every_load_blaming_the_failed_read(rig:
         raise RuntimeError("the kernel failed")
     loaded = layerwise.finish_loads()
     assert loaded.failed_blocks == {group: set(BLOCKS) for group in (0, 1, 2)}
-    assert loaded.failed_keys == [failed]
+    assert loaded.blamed_keys == [failed]
     assert layerwise.end_step() is None
     layerwise.close()
 

@@ -360,18 +360,22 @@ def test_a_prompt_tail_and_the_whole_block_at_its_index_are_two_objects(rig: Any
     assert torch.equal(attn[5], tail_bytes)
 
 
-def test_failed_load_reports_local_blocks(rig: Any) -> None:
+@pytest.mark.parametrize("status", [Status.TRANSFER_FAILED, Status.RPC_FAILED])
+def test_failed_load_reports_local_blocks(rig: Any, status: Status) -> None:
+    """Quarantined are the objects the store failed, not those of a call the master did
+    not answer (RPC_FAILED): they are likely fine once it answers again."""
     worker, _, store = rig
     _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (0, 1, 2)]))])
     for operation in ("batch_get_whole", "get_ranges"):  # whole objects / layer ranges
-        store.fail_next(operation, lambda key: True, Status.TRANSFER_FAILED)
+        store.fail_next(operation, lambda key: True, status, calls=2)  # a ranged retry too
     loads = _refs([(0, 0, 5), (0, 1, 6)])
     _step(worker, [RequestTransfers(request_id="b", loads=loads)])
     assert worker.take_load_errors() == {5, 6}
     assert worker.take_load_errors() == set()
     # vLLM recomputes them: the scheduler, which counted them as in the pool, saves them
     assert worker.take_unsaved() == {("b", 0, 0), ("b", 0, 1)}
-    assert worker.take_failed_keys() == set(_keys(worker, loads))  # for the quarantine
+    blamed = set(_keys(worker, loads)) if status is Status.TRANSFER_FAILED else set()
+    assert worker.take_failed_keys() == blamed  # for the quarantine
     assert worker.take_failed_keys() == set()
 
 

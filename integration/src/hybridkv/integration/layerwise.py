@@ -217,13 +217,15 @@ class VllmLayerwise:
             loads = self._loads
             failed = self._guarded(self.strategy.wait_all_loads, None)
             if failed is None:  # the step was drained when it raised
-                blamed = [t.key for t in loads if t.key in self._blamed_in_drain]
-                self._loaded = all_failed(loads, blamed)
+                self._loaded = all_failed(loads, self._blamed_in_drain)
             else:
                 lost = {(group, block) for group, blocks in failed.items() for block in blocks}
+                keys = [t.key for t in loads if (t.group, t.local_block) in lost]
+                blamed = set(self.strategy.blamed_loads())
                 self._loaded = TransferResult(
                     failed_blocks=failed,
-                    failed_keys=[t.key for t in loads if (t.group, t.local_block) in lost],
+                    failed_keys=keys,
+                    unblamed_keys=[key for key in keys if key not in blamed],
                     bytes=sum(
                         self._object_sizes.get(t.group, 0)
                         for t in loads
@@ -274,7 +276,7 @@ class VllmLayerwise:
         except BaseException:
             self._step_raised = True
             self.strategy.abort()  # unless the strategy drained the step already
-            self._blamed_in_drain = set(self.strategy.drained_blame)
+            self._blamed_in_drain = set(self.strategy.blamed_loads())
             raise
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ writes any block, else before `wait_for_save` returns).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,17 +83,16 @@ class TransferStrategy(Protocol):
         """Drain whatever is open; nothing stays in flight or hooked into the model."""
 
 
-def all_failed(
-    transfers: Sequence[BlockTransfer], blamed: Sequence[str] | None = None
-) -> TransferResult:
-    """The result of transfers that raised instead of reporting per block: vLLM
-    recomputes every block. `blamed`: the keys to quarantine (None: every key); a step
-    that failed as a whole (e.g. a put raised) blames only reads that failed before."""
+def all_failed(transfers: Sequence[BlockTransfer], blamed: Collection[str] = ()) -> TransferResult:
+    """The result of transfers that raised instead of reporting per block: every block
+    failed (vLLM recomputes it). Only `blamed`, the keys whose reads the store failed
+    before (or while a step drained), are their objects' fault (quarantined)."""
     failed: dict[int, set[int]] = {}
     for transfer in transfers:
         failed.setdefault(transfer.group, set()).add(transfer.local_block)
-    keys = [t.key for t in transfers] if blamed is None else list(blamed)
-    return TransferResult(failed_blocks=failed, failed_keys=keys)
+    keys, blamed = [t.key for t in transfers], set(blamed)
+    unblamed = [key for key in keys if key not in blamed]
+    return TransferResult(failed_blocks=failed, failed_keys=keys, unblamed_keys=unblamed)
 
 
 class WholeBlocks:

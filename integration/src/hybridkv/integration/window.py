@@ -102,7 +102,7 @@ class LayerwiseStrategy:
         self._new_event = new_event
         self._state: _StepState | None = None
         # The keys whose reads the store failed in the step drained last (see `abort`).
-        self.drained_blame: list[str] = []
+        self._drained_blame: list[str] = []
         self.stats = LayerwiseStats()
 
     @property
@@ -130,7 +130,7 @@ class LayerwiseStrategy:
         `hold_saves`: every put waits for `wait_for_save` (see `TransferStrategy`)."""
         if self._state is not None:
             self.abort()  # the previous forward died before wait_for_save
-        self.drained_blame = []
+        self._drained_blame = []
         unreported: dict[int, set[str]] = {layer: set() for layer in self._layers}
         for name, layer in self._reporters.items():
             unreported[layer].add(name)
@@ -225,8 +225,8 @@ class LayerwiseStrategy:
 
         Groups that got all their layers commit, the others are revoked; a transfer error
         met while draining is logged, not raised over the error that caused the abort.
-        `drained_blame` keeps the keys whose reads the store failed, to quarantine (not
-        those a client error failed: no object is at fault there).
+        The keys whose reads the store failed stay in `blamed_loads` (not those a client
+        error failed: no object is at fault there).
         """
         state, self._state = self._state, None
         if state is None:
@@ -235,7 +235,12 @@ class LayerwiseStrategy:
             state.step.finish()
         except Exception:
             log.warning("layerwise step drained after an error", exc_info=True)
-        self.drained_blame = state.step.blamed_loads()
+        self._drained_blame = state.step.blamed_loads()
+
+    def blamed_loads(self) -> list[str]:
+        """Keys whose reads the store failed (a status about their objects) in the open
+        step, or, with none open, in the step drained last: to quarantine."""
+        return self._drained_blame if self._state is None else self._state.step.blamed_loads()
 
     def reset_stats(self) -> LayerwiseStats:
         stats, self.stats = self.stats, LayerwiseStats()

@@ -239,7 +239,7 @@ class WorkerSide:
         would stop the engine of a hybrid model, whose groups repeat them). Either way the
         failed keys go to the scheduler, which quarantines them."""
         failed = {block for blocks in result.failed_blocks.values() for block in blocks}
-        self._failed_keys.update(result.failed_keys)
+        self._failed_keys.update(result.blamed_keys)
         if failed:
             logger.warning("hybridkv: %d blocks failed to load; vLLM recomputes them", len(failed))
             if request_id is not None:
@@ -366,7 +366,7 @@ class WorkerSide:
             # A begin that raised lost every load, whatever the strategy made of them (the
             # client raised: no object is to blame).
             self._record_sync_load(
-                all_failed(loads, loaded.failed_keys) if self._loads_raised else loaded, loads
+                all_failed(loads, loaded.blamed_keys) if self._loads_raised else loaded, loads
             )
             self._loads_failed = failed
         return self._loads_failed
