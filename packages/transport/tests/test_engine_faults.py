@@ -192,7 +192,7 @@ def test_a_close_whose_teardown_raises_still_frees_staging_and_unregisters() -> 
     with pytest.raises(RuntimeError, match="client error in revoke"):
         engine.close()
     assert engine.staging is not None
-    assert engine.staging.capacity > 0
+    assert engine.staging._array is None  # freed
     assert len(unregistered) >= 2  # the staging buffer and the caches
     assert not [t for t in threading.enumerate() if t.name.startswith("hybridkv-")]
 
@@ -623,6 +623,76 @@ def test_a_read_is_blamed_on_its_object_by_the_store_s_last_word_on_it(
     assert result.failed_keys == [broken.key]
     assert result.blamed_keys == step.blamed_loads()
     assert_clean(store, outstanding)
+
+
+def test_a_status_failure_stays_blamed_when_its_retry_raises() -> None:
+    """Layer 0's read fails a key (a status); the retry of it raises (the client): the
+    store's word on the key stands."""
+    store = ReadRaises("get_ranges", at=1)
+    source, saves = filled_caches_and_saves(seed=33)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    broken = saves[0]
+    store.fail_next("get_ranges", [broken.key], Status.TRANSFER_FAILED)
+    target = Caches(num_blocks=8, seed=34)
+    with engine_for(store, target, "layer", prefetch_layers=0) as reader:
+        step = reader.begin_layerwise(loads=saves)
+        with pytest.raises(RuntimeError, match="client crashed"):
+            step.wait_layer_loaded(0)
+        with pytest.raises(RuntimeError, match="client crashed"):
+            step.finish()
+        assert step.blamed_loads() == [broken.key]
+
+
+def test_a_key_whose_re_pin_is_unanswered_fails_unblamed() -> None:
+    """The first read of a key fails (a lease may have expired); pinning it again gets
+    no answer from the master: it fails without a retry, and no object is blamed."""
+    store = MemoryStore()
+    source, saves = filled_caches_and_saves(seed=35)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    broken = saves[0]
+    store.fail_next("get_ranges", [broken.key], Status.TRANSFER_FAILED)
+    fail_at_call(store, "get_session_start", 2, [broken.key], Status.RPC_FAILED)
+    target = Caches(num_blocks=8, seed=36)
+    with engine_for(store, target, "layer") as reader:
+        step = reader.begin_layerwise(loads=saves)
+        assert step.wait_layer_loaded(0) == {0: {broken.local_block}}
+        result = step.finish()
+        outstanding = reader.outstanding("load")
+    assert result.failed_keys == [broken.key]
+    assert result.blamed_keys == []
+    assert_clean(store, outstanding)
+
+
+def test_a_whole_load_that_raises_still_knows_what_the_store_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One part of a whole load fails a key (a status), a later part raises: `wait()`
+    raises, and the ticket still names the key the store failed."""
+    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    store = ReadRaises("batch_get_whole", at=1)
+    source, saves = filled_caches_and_saves(seed=37)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    store.fail_next("batch_get_whole", [saves[0].key], Status.TRANSFER_FAILED)
+    target = Caches(num_blocks=8, seed=38)
+    with engine_for(store, target, "group") as reader:
+        ticket = reader.load(saves)
+        with pytest.raises(RuntimeError, match="client crashed"):
+            ticket.wait(timeout=60)
+        assert ticket.blamed_keys() == [saves[0].key]
+
+
+def test_an_outcome_s_result_is_a_snapshot() -> None:
+    outcome = sessions.Outcome()
+    outcome.failed(0, ["a"], [1])
+    taken = outcome.result()
+    outcome.failed(0, ["b"], [2], blamed=False)
+    outcome.judged(["a"], [Status.RPC_FAILED])
+    assert (taken.failed_keys, taken.failed_blocks, taken.blamed_keys) == (["a"], {0: {1}}, ["a"])
+    assert outcome.result().blamed_keys == []
 
 
 @pytest.mark.parametrize("mode", ["whole", "staged", "group"])

@@ -78,6 +78,11 @@ class Ticket:
         jobs_done = all(job.done for job in self._jobs)
         return jobs_done and not any(outcome.riding for outcome in self._outcomes)
 
+    def blamed_keys(self) -> list[str]:
+        """Keys the store failed so far (see `TransferResult.blamed_keys`), also once
+        `wait()` raised: what a load that raised still knows to distrust."""
+        return [key for outcome in self._outcomes for key in outcome.result().blamed_keys]
+
     def wait(self, timeout: float | None = None) -> TransferResult:
         for job in self._jobs:
             job.wait(timeout)
@@ -264,10 +269,13 @@ class TransferEngine:
             self._receiver.close()
             self._stale.revoke_all()
         finally:
-            try:  # whatever raised: the caller frees this memory once close returns
-                if self.staging is not None:
-                    self.staging.close()
-                self._unregister_buffers()
+            try:  # whatever raised, once no thread of ours may touch it: the caller frees it
+                if self._sender.alive or self._receiver.alive:
+                    log.error("transfer threads still running at close: memory left registered")
+                else:
+                    if self.staging is not None:
+                        self.staging.close()
+                    self._unregister_buffers()
             finally:
                 self._drained.set()
 

@@ -29,7 +29,7 @@ from functools import cached_property
 import msgspec
 import numpy as np
 
-from hybridkv.transport.errors import Status, StoreError, StoreUnavailable
+from hybridkv.transport.errors import Status, StoreClosed, StoreError, StoreUnavailable
 from hybridkv.transport.events import Event
 from hybridkv.transport.layout import BlockIds, GroupLayout, Ranges
 from hybridkv.transport.ownership import BlockTransfer
@@ -99,6 +99,7 @@ class Outcome:
         self._riding = 0  # saves riding on another transfer's write of the same key
         self.no_space = False  # the pool refused some key for want of room
         self._unblamed: set[str] = set()  # see TransferResult.unblamed_keys
+        self._store_failed: set[str] = set()  # keys whose last status was a failure
 
     def ride(self, count: int) -> None:
         with self._lock:
@@ -153,13 +154,14 @@ class Outcome:
         self, group: int, keys: Iterable[str], blocks: Iterable[int], blamed: bool = True
     ) -> None:
         """`blamed=False`: a client error failed these keys, which says nothing of their
-        objects (nor does an unanswered call, see `judged`)."""
+        objects (nor does an unanswered call, see `judged`); a store status about a key
+        (`judged`) still stands."""
         with self._lock:
             keys = list(keys)
             self._result.failed_keys.extend(keys)
             self._result.failed_blocks.setdefault(group, set()).update(blocks)
             if not blamed:
-                self._unblamed.update(keys)
+                self._unblamed.update(key for key in keys if key not in self._store_failed)
 
     def judged(self, keys: Sequence[str], statuses: Sequence[Status]) -> None:
         """A call's statuses: a key the master did not answer for (RPC_FAILED) is no
@@ -168,19 +170,28 @@ class Outcome:
             for key, status in zip(keys, statuses, strict=True):
                 if status is Status.RPC_FAILED:
                     self._unblamed.add(key)
+                    self._store_failed.discard(key)
                 elif not status.ok:
                     self._unblamed.discard(key)
+                    self._store_failed.add(key)
 
     def failed_blocks(self) -> dict[int, set[int]]:
         with self._lock:
             return {group: set(blocks) for group, blocks in self._result.failed_blocks.items()}
 
     def result(self) -> TransferResult:
+        """A snapshot: later failures do not change it."""
         with self._lock:
-            done = msgspec.structs.replace(self._result)
-            done.seconds = time.perf_counter() - self._started
-            done.unblamed_keys = [key for key in done.failed_keys if key in self._unblamed]
-            return done
+            now = self._result
+            return TransferResult(
+                failed_blocks={group: set(blocks) for group, blocks in now.failed_blocks.items()},
+                failed_keys=list(now.failed_keys),
+                skipped_keys=list(now.skipped_keys),
+                contended_keys=list(now.contended_keys),
+                unblamed_keys=[key for key in now.failed_keys if key in self._unblamed],
+                bytes=now.bytes,
+                seconds=time.perf_counter() - self._started,
+            )
 
 
 def _log_failures(operation: str, statuses: Sequence[Status]) -> None:
@@ -559,7 +570,8 @@ def _guarded(send: StoreCall, part: slice, operation: str) -> list[Status]:
 def status_of(error: StoreError) -> Status:
     """The status a call that raised `error` leaves each of its keys with: RPC_FAILED
     when nothing answered (no word on any object), else OTHER."""
-    return Status.RPC_FAILED if isinstance(error, StoreUnavailable) else Status.OTHER
+    unanswered = isinstance(error, (StoreUnavailable, StoreClosed))
+    return Status.RPC_FAILED if unanswered else Status.OTHER
 
 
 class Writes(Transfers, ABC):
@@ -940,12 +952,15 @@ class RangedReads(Reads):
             # A get session lives as long as the master's lease (default_kv_lease_ttl, 5 s
             # by default): reads after it expired fail with TRANSFER_FAILED. Pin the keys
             # again and retry once; what fails again (a dead segment) fails for good.
-            retry = Call()
+            repinned = self._repin(list(dict.fromkeys(batch.keys[row] for batch, row in failed)))
+            retry, lost = Call(), []
             for batch, row in failed:
                 ranges = batch.layout.layer_ranges(layer)
-                if ranges is not None:
+                if ranges is not None and batch.keys[row] in repinned:
                     retry.add(batch, np.array([row]), ranges)
-            self._repin(retry.keys)
+                else:
+                    lost.append((batch, row))
+            self.fail(lost)  # judged by the re-pin's answer
             self.fail(self.issue(retry, "get_ranges (re-pinned)", self._get_ranges(retry)))
 
     def _get_ranges(self, call: Call) -> StoreCall:
@@ -953,12 +968,16 @@ class RangedReads(Reads):
             call.keys[part], call.ptrs[part], call.sizes[part], call.offsets[part]
         )
 
-    def _repin(self, keys: list[str]) -> None:
+    def _repin(self, keys: list[str]) -> set[str]:
+        """Pin `keys` again; those pinned (the answer about the others is judged)."""
         try:
             self.store.get_session_end(keys)
-            self.store.get_session_start(keys)
+            statuses = self.store.get_session_start(keys)
         except StoreError as exc:
             log.warning("re-pinning %d keys failed: %s", len(keys), exc)
+            statuses = [status_of(exc)] * len(keys)
+        self.outcome.judged(keys, statuses)
+        return {key for key, status in zip(keys, statuses, strict=True) if status.ok}
 
     def end(self) -> None:
         pinned, self._pinned = self._pinned, ()
