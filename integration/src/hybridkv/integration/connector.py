@@ -216,7 +216,8 @@ SHUTDOWN_WAIT_S = 10.0
 
 def finished_within(work: Callable[[], None], seconds: float, name: str) -> bool:
     """Run `work` on a daemon thread; whether it returned within `seconds` (what it
-    raised is raised here). A daemon thread still running does not keep the process."""
+    raised is raised here). A daemon thread still running does not keep the process;
+    where no thread can start (at interpreter exit), `work` runs here, unbounded."""
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -226,7 +227,11 @@ def finished_within(work: Callable[[], None], seconds: float, name: str) -> bool
             errors.append(exc)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:
+        work()
+        return True
     thread.join(seconds)
     if errors:
         raise errors[0]
@@ -595,18 +600,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         A store call that hangs holds shutdown up for `SHUTDOWN_WAIT_S` at most: the
         transfers still running are then left, with the store, to the process's exit."""
-        idle = True
+        idle = False  # until the worker's close returned: it may have left calls running
         worker, self._worker = self._worker, None
         try:
-            if worker is not None:
-                idle = finished_within(worker.close, SHUTDOWN_WAIT_S, "hybridkv-shutdown")
-                if not idle:
-                    logger.error(
-                        "hybridkv: transfers still running %g s into shutdown; left to the "
-                        "process's exit with the store",
-                        SHUTDOWN_WAIT_S,
-                    )
-        finally:  # a close that raised has stopped its threads: the rest goes too
+            idle = worker is None or finished_within(
+                worker.close, SHUTDOWN_WAIT_S, "hybridkv-shutdown"
+            )
+            if not idle:
+                logger.error(
+                    "hybridkv: transfers still running %g s into shutdown; left to the "
+                    "process's exit with the store",
+                    SHUTDOWN_WAIT_S,
+                )
+        finally:  # the rest goes whatever the worker's close did
             server, self._server = self._server, None
             if server is not None:
                 idle &= server.close()
@@ -615,6 +621,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.close(store_idle=idle)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()

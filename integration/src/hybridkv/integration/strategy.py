@@ -106,9 +106,14 @@ class WholeBlocks:
 
     def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         self._saves = list(saves)  # held anyway: they go out at `end_step`
-        self._loaded = TransferResult()  # kept should the load raise
+        self._loaded = TransferResult()
         if loads:
-            self._loaded = self.engine.load(loads).wait()
+            ticket = self.engine.load(loads)
+            try:
+                self._loaded = ticket.wait()
+            except Exception:  # what the store failed before is still to blame
+                self._loaded = all_failed(loads, ticket.blamed_keys())
+                raise
 
     def discard_saves(self) -> None:
         self._saves = []

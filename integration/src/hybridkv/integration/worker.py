@@ -422,9 +422,9 @@ class WorkerSide:
             ticket, transfers = self._async_loads.pop(request_id)
             try:
                 self._record_load(ticket.wait(), request_id)
-            except Exception:  # the client raised: no object is to blame
+            except Exception:  # the client raised: only what the store failed is to blame
                 logger.exception("hybridkv: async load of %s failed", request_id)
-                self._record_load(all_failed(transfers, []), request_id)
+                self._record_load(all_failed(transfers, ticket.blamed_keys()), request_id)
         unstarted, self._unstarted = self._unstarted, {}
         for request_id, transfers in unstarted.items():
             self._record_load(all_failed(transfers, []), request_id)
