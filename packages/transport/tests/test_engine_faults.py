@@ -155,29 +155,52 @@ def _revoke_raises(keys: Sequence[str]) -> list[Status]:
     raise RuntimeError("client error in revoke")
 
 
-def test_a_revoke_whose_client_raises_leaves_its_key_failed_remembered_and_reusable(
-    monkeypatch: pytest.MonkeyPatch,
+def _start_then_raise(store: MemoryStore) -> Callable[[Sequence[str], Sequence[int]], list[Status]]:
+    start = store.put_session_start
+
+    def crash(keys: Sequence[str], sizes: Sequence[int]) -> list[Status]:
+        start(keys, sizes)
+        raise RuntimeError("client error in put_session_start")
+
+    return crash
+
+
+@pytest.mark.parametrize("fault", ["put_session_start", "put_ranges", "put_session_end"])
+def test_a_revoke_whose_client_raises_leaves_its_keys_failed_remembered_and_reusable(
+    fault: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A key's put session end fails, then its revoke raises (not a store error): the step
-    raises with the key failed and remembered, and the key's next save revokes it first."""
+    """Opening the sessions raises after opening them, or a key's range put or put session
+    end fails; then the revoke raises (not a store error): the step raises with every key
+    that is not readable reported failed (failures are recorded before the revoke) and
+    every session left open remembered; the keys' next save revokes them first."""
     store = MemoryStore()
     caches, saves = filled_caches_and_saves(seed=27)
     broken = saves[1]
-    store.fail_next("put_session_end", [broken.key], Status.TRANSFER_FAILED)
+    if fault == "put_session_start":
+        monkeypatch.setattr(store, "put_session_start", _start_then_raise(store))
+    elif fault == "put_ranges":
+        fail_at_call(store, "put_ranges", 3, [broken.key], Status.TRANSFER_FAILED)
+    else:
+        store.fail_next("put_session_end", [broken.key], Status.TRANSFER_FAILED)
     monkeypatch.setattr(store, "put_session_revoke", _revoke_raises)
+    keys = [t.key for t in saves]
     with engine_for(store, caches, "layer") as engine:
         step = engine.begin_layerwise(saves=saves)
         for layer in range(NUM_LAYERS):
             step.save_layer(layer, CpuEvent())
-        with pytest.raises(RuntimeError, match="client error in revoke"):
+        with pytest.raises(RuntimeError, match="client error in"):
             step.finish()
-        assert step._save_outcome.result().failed_keys == [broken.key]
-        assert store.open_put_sessions() == {broken.key}
-        assert len(engine._stale) == 1
+        failed = step._save_outcome.result().failed_keys
+        readable = store.batch_is_readable(keys)
+        unreadable = {key for key, ok in zip(keys, readable, strict=True) if not ok}
+        assert broken.key in failed
+        assert set(failed) == unreadable
+        assert store.open_put_sessions() <= engine._stale._keys
+        assert broken.key in store.open_put_sessions()
         monkeypatch.undo()
         assert save(engine, saves, "layer").ok
         outstanding = engine.outstanding("save")
-    assert store.batch_is_readable([t.key for t in saves]) == [True] * len(saves)
+    assert store.batch_is_readable(keys) == [True] * len(saves)
     assert_clean(store, outstanding)
 
 

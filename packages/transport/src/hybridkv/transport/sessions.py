@@ -675,9 +675,10 @@ class RangedWrites(Writes):
         try:
             self._open(call)
         except BaseException:
-            # Whatever preparation opened must never linger or become readable.
-            self._revoke([key for key in call.keys if key not in self.committed])
+            # Whatever preparation opened must never linger or become readable; the keys
+            # failed either way, so they fail before the revoke, which may raise too.
             self.fail(call.rows)
+            self._revoke([key for key in call.keys if key not in self.committed])
             raise
 
     def _open(self, call: Call) -> None:
@@ -714,8 +715,8 @@ class RangedWrites(Writes):
                 call.keys[part], call.ptrs[part], call.sizes[part], call.offsets[part]
             ),
         )
+        self.fail(failed)  # before the revoke, which may raise: they failed either way
         self._revoke([batch.keys[row] for batch, row in failed])
-        self.fail(failed)
 
     def moves_bytes_at(self, layer: int) -> bool:
         return True
@@ -754,10 +755,11 @@ class RangedWrites(Writes):
         self._revoke([batch.keys[row] for batch, row in failed])
 
     def drop(self, batches: Sequence[GroupBatch]) -> None:
-        self._revoke([key for batch in batches for key in batch.keys_of(batch.live())])
-        self.fail_all(batches)
+        opened = [key for batch in batches for key in batch.keys_of(batch.live())]
+        self.fail_all(batches)  # before the revoke, which may raise: they failed either way
         contested = self._take_contested(batches)
         self.outcome.contended(batch.keys[row] for batch, row in contested)
+        self._revoke(opened)
 
     def _settle_contested(self, rows: list[tuple[GroupBatch, int]]) -> None:
         """Rows whose session start said EXISTS: another client's session on the key (it
