@@ -935,6 +935,35 @@ def test_a_resend_of_the_same_prompt_resumes_at_its_tail(vllm_specs: Any) -> Non
     assert side.num_new_matched_tokens(request("again", prompt), 160) == (16, False)
 
 
+@pytest.mark.parametrize(
+    ("stored", "prompt_tokens", "hit", "loads"),
+    [
+        # Blocks 0-6 stored whole: the hit reaches 224, block 5 loads whole.
+        ([32 * k for k in range(1, 8)], 240, 224, {(0, 5, 15, 0), (0, 6, 16, 0), (1, 6, 26, 0)}),
+        # A tail at 176 inside block 5: block 5 loads the tail's object, its only load.
+        ([160, 176, 180], 180, 176, {(0, 5, 15, 176), (1, 5, 25, 176)}),
+    ],
+    ids=["whole", "tail"],
+)
+def test_the_block_vllm_s_own_hit_ends_inside_is_loaded_from_the_pool(
+    vllm_specs: Any, stored: list[int], prompt_tokens: int, hit: int, loads: set[tuple]
+) -> None:
+    """vLLM's own hit (a Mamba "align" model hashing every 8 tokens) ends at 168, inside
+    block 5: vLLM gives the request a copy of a block whose tokens past 168 are another
+    prompt's. Where the pool's hit goes further, that block is the pool's to load, never
+    left as vLLM's copy (nor a background load left with nothing to load)."""
+    side, pool = _tail_side(vllm_specs, load_async=True)
+    prompt = (TOKENS + list(range(900, 960)))[:prompt_tokens]
+    _write_prompt(side, pool, prompt, stored)
+    reader = request("r", prompt)
+    assert side.num_new_matched_tokens(reader, 168) == (hit - 168, True)
+    tables = ([10 + b for b in range(8)], [20 + b for b in range(8)])
+    side.after_alloc(reader, tables, hit - 168)
+    output = scheduler_output(new=[("r", tables, hit, 0)], tables={"r": tables})
+    (transfers,) = side.build_meta(output).requests
+    assert {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads} == loads
+
+
 def test_a_tail_query_without_answer_keeps_the_aligned_hit_and_is_no_failed_lookup(
     vllm_specs: Any,
 ) -> None:

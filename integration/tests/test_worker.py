@@ -602,6 +602,46 @@ def test_a_failed_background_load_fails_its_request_not_its_blocks(rig: Any) -> 
     assert worker.take_failed_keys() == set(_keys(worker, loads))
 
 
+def test_a_background_request_with_nothing_to_load_is_still_reported_done(rig: Any) -> None:
+    """vLLM keeps a request waiting for its KV until the worker reports it."""
+    worker, _, _ = rig
+    _step(worker, [RequestTransfers(request_id="c", loads=[], load_async=True)])
+    assert _background_loads_done(worker) == {"c"}
+    assert worker.take_failed_requests() == set()
+
+
+class _DeviceGate:
+    """A device event the test fires: what vLLM queued before it is done once fired."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+        self.fired = threading.Event()
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.fired.wait(timeout=10), "the test never fired the device event"
+
+
+def test_a_background_load_waits_for_the_device_work_queued_before_it(rig: Any) -> None:
+    """vLLM queues its copy-on-write of the block its own hit ends inside before
+    `start_load_kv`; the load overwrites that block from the hit on, so it writes nothing
+    before that work is done."""
+    worker, _, _ = rig
+    gate = _DeviceGate()
+    gated = WorkerSide(worker.keys, worker.engine, worker.strategy, 0, lambda: gate)
+    load = RequestTransfers(request_id="c", loads=_refs([(0, 0, 4)]), load_async=True)
+    gated.begin_step(HybridKVMetadata([load]))
+    gated.start_async_loads()
+    assert gate.recorded
+    time.sleep(0.2)
+    assert gated.finished(set()) == set()  # still waiting for the device
+    gate.fired.set()  # (the step's own transfer jobs queue behind the load: fire first)
+    gated.end_step()
+    assert _background_loads_done(gated) == {"c"}
+
+
 def _keys(worker: WorkerSide, refs: list[BlockRef]) -> list[str]:
     return [worker.keys.keys(ref.group, [ref.block_hash], [0])[0] for ref in refs]
 

@@ -371,8 +371,10 @@ class SchedulerSide:
             hashes = tracked.hashes.for_group(size)
             ids = block_ids[plan.vllm_group_id]
             for block, needed in enumerate(allocated.load_masks[group]):
-                if not needed or block * size < pending.local_tokens:
+                if not needed or (block + 1) * size <= pending.local_tokens:
                     continue  # vLLM's own prefix cache already holds it
+                # (a block vLLM's own hit ends inside is loaded: past that hit its copy
+                # holds another prompt's KV, which vLLM would take for this one's)
                 if ids[block] == NULL_BLOCK_ID:
                     raise RuntimeError(
                         f"request {request.request_id}: vLLM gave the null block to "

@@ -295,7 +295,7 @@ class WorkerSide:
         for request in meta.requests:
             loads = self._transfers(request.request_id, request.loads, writing=False)
             loaded_blocks += len(loads)
-            if loads and request.load_async:
+            if request.load_async:  # vLLM waits for its report, even with nothing to load
                 self._async_waiting[request.request_id] = loads
             else:
                 sync.extend(loads)
@@ -346,9 +346,15 @@ class WorkerSide:
     def start_async_loads(self) -> None:
         """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
         waiting, self._async_waiting = self._async_waiting, {}
+        if not waiting:
+            return
+        # Device work vLLM queued this step lands first: a copy-on-write of the block its
+        # own hit ends inside, which the load then overwrites from that hit on.
+        ready = self._new_event()
+        ready.record()
         for request_id, transfers in waiting.items():
             try:
-                self._async_loads[request_id] = (self.engine.load(transfers), transfers)
+                self._async_loads[request_id] = (self.engine.load(transfers, ready), transfers)
             except Exception:  # reported as a failed load: vLLM computes the request
                 logger.exception("hybridkv: starting the background load of %s failed", request_id)
                 self._unstarted[request_id] = transfers
