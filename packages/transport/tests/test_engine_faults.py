@@ -667,6 +667,30 @@ def test_a_status_failure_stays_blamed_when_its_retry_raises() -> None:
         assert step.blamed_loads() == [broken.key]
 
 
+def test_a_read_its_retry_recovered_is_not_blamed_for_a_later_client_error() -> None:
+    """Layer 0's reads fail (an expired lease) and their retry reads them; layer 1's
+    device event then raises, failing every block: no object is to blame."""
+    store = MemoryStore()
+    source, saves = filled_caches_and_saves(seed=38)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    store.fail_next("get_ranges", [t.key for t in saves], Status.TRANSFER_FAILED)
+    target = Caches(num_blocks=8, seed=39)
+    with engine_for(store, target, "layer", prefetch_layers=0) as reader:
+        step = reader.begin_layerwise(loads=saves)
+        assert step.wait_layer_loaded(0) == {}
+        with pytest.raises(RuntimeError, match="device lost"):
+            step.wait_layer_loaded(1, BrokenEvent())
+        with pytest.raises(RuntimeError, match="device lost"):
+            step.finish()
+        assert step._load_outcome.failed_blocks() == {
+            group: set(blocks) for group, blocks in BLOCKS.items()
+        }
+        assert step.blamed_loads() == []
+        outstanding = reader.outstanding("load")
+    assert_clean(store, outstanding)
+
+
 def test_a_key_whose_re_pin_is_unanswered_fails_unblamed() -> None:
     """The first read of a key fails (a lease may have expired); pinning it again gets
     no answer from the master: it fails without a retry, and no object is blamed."""

@@ -175,6 +175,12 @@ class Outcome:
                     self._unblamed.discard(key)
                     self._store_failed.add(key)
 
+    def recovered(self, keys: Iterable[str]) -> None:
+        """A retry read these keys: what failed them before says nothing against their
+        objects (a later client error fails them unblamed)."""
+        with self._lock:
+            self._store_failed.difference_update(keys)
+
     def failed_blocks(self) -> dict[int, set[int]]:
         with self._lock:
             return {group: set(blocks) for group, blocks in self._result.failed_blocks.items()}
@@ -963,7 +969,10 @@ class RangedReads(Reads):
                 else:
                     lost.append((batch, row))
             self.fail(lost)  # judged by the re-pin's answer
-            self.fail(self.issue(retry, "get_ranges (re-pinned)", self._get_ranges(retry)))
+            failed = self.issue(retry, "get_ranges (re-pinned)", self._get_ranges(retry))
+            self.fail(failed)
+            still = {batch.keys[row] for batch, row in failed}
+            self.outcome.recovered(key for key in retry.keys if key not in still)
 
     def _get_ranges(self, call: Call) -> StoreCall:
         return lambda part: self.store.get_ranges(
