@@ -194,8 +194,8 @@ def test_a_revoke_whose_client_raises_leaves_its_keys_failed_remembered_and_reus
         readable = store.batch_is_readable(keys)
         unreadable = {key for key, ok in zip(keys, readable, strict=True) if not ok}
         assert broken.key in failed
-        assert set(failed) == unreadable
-        assert store.open_put_sessions() <= engine._stale._keys
+        assert sorted(failed) == sorted(unreadable)  # each once
+        assert store.open_put_sessions() == engine._stale._keys
         assert broken.key in store.open_put_sessions()
         monkeypatch.undo()
         assert save(engine, saves, "layer").ok
