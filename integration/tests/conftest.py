@@ -82,11 +82,14 @@ def scheduler_output(
     tables: dict[str, tuple[list[int], ...]] | None = None,
     finished: set[str] | None = None,
     resumed: list[tuple[str, tuple[list[int], ...], int, int]] = (),  # type: ignore[assignment]
+    order: list[str] | None = None,
 ) -> SimpleNamespace:
     """new and resumed (after preemption): (id, block_ids, computed, scheduled);
-    cached: (id, computed, scheduled)."""
-    scheduled = {rid: count for rid, _, _, count in [*new, *resumed]}
-    scheduled.update({rid: count for rid, _, count in cached})
+    cached: (id, computed, scheduled). vLLM schedules the running requests first, then
+    the waiting ones (resumed and new) in `order` (default: resumed first)."""
+    scheduled = {rid: count for rid, _, count in cached}
+    waiting = {rid: count for rid, _, _, count in [*resumed, *new]}
+    scheduled.update({rid: waiting[rid] for rid in order or waiting})
     state = None
     if tables is not None:
         state = SimpleNamespace(get_block_ids=lambda rid: tables.get(rid))

@@ -57,6 +57,24 @@ def test_unknown_spec_is_refused(vllm_specs: Any) -> None:
         plan_groups(config, [0], SHAPE)
 
 
+def test_a_full_attention_subclass_with_other_semantics_is_refused_by_name(
+    vllm_specs: Any,
+) -> None:
+    """R-SWA derives from full attention, but its generated tokens see a window only."""
+    base = attention(vllm_specs)
+    rswa = vllm_specs.RSWASpec(
+        block_size=base.block_size,
+        num_kv_heads=base.num_kv_heads,
+        head_size=base.head_size,
+        dtype=base.dtype,
+        rswa_window=64,
+    )
+    config = groups(vllm_specs, (["x"], base))
+    config[0].kv_cache_spec = rswa
+    with pytest.raises(ValueError, match=r"group 0: hybridkv cannot store RSWASpec.*last 64"):
+        plan_groups(config, [0], SHAPE)
+
+
 def test_eagle_drops_where_vllm_s_coordinator_does(vllm_specs: Any) -> None:
     """vLLM drops EAGLE's block in the groups it marks as the draft head's, in every group
     of an equal spec (it looks them up together), and in all groups when it marks none."""

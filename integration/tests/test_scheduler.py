@@ -536,6 +536,37 @@ def test_after_a_reset_a_hit_on_what_another_request_computes_in_the_same_step_i
     }
 
 
+def test_after_a_reset_a_hit_on_what_a_resumed_request_computes_in_the_same_step_is_fresh(
+    vllm_specs: Any,
+) -> None:
+    """A preempted request resumes ahead of a new one in vLLM's waiting queue: the new
+    one may hit the blocks the resumed one computes in that step. Both are judged in
+    vLLM's order, so the resumed one's prefixes are known fresh first."""
+    side, _ = _side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    side.reset()
+    first = ([40, 41, 42, 43, 44, 45, 46],)
+    a = request("a", TOKENS)
+    _admitted(side, a, first, 0, 64)
+    # Preempted; looked up again, it hits its own 64 tokens in vLLM's prefix cache.
+    assert side.num_new_matched_tokens(a, 64) == (0, False)
+    side.after_alloc(a, first, 0)
+    b = request("b", TOKENS[:128] + [7] * 72)
+    assert side.num_new_matched_tokens(b, 128) == (0, False)
+    second = ([40, 41, 42, 43, 1, 2, 3],)
+    side.after_alloc(b, second, 0)
+    output = scheduler_output(
+        new=[("b", second, 128, 72)],
+        resumed=[("a", first, 64, 64)],
+        order=["a", "b"],
+        tables={"a": first, "b": second},
+    )
+    meta = side.build_meta(output)
+    assert {t.request_id: [ref.index for ref in t.saves] for t in meta.requests} == {
+        "a": [2, 3],
+        "b": [4, 5],
+    }
+
+
 def test_prefixes_a_request_skipping_vllms_prefix_cache_computes_are_not_fresh(
     vllm_specs: Any,
 ) -> None:

@@ -185,6 +185,16 @@ def _register_vllm_specs() -> None:
         storing = 1 if spec.tp_replicated else shape.tp_size
         return RecurrentState(spec.block_size), signature, storing
 
+    @translator(specs.RSWASpec)
+    def _rswa(spec: Any, shape: ModelShape) -> _Translation:
+        # A full-attention subclass whose generated tokens attend to a window of the others:
+        # their KV differs from a prompt's, and vLLM frees blocks behind that window.
+        raise ValueError(
+            "hybridkv cannot store RSWASpec groups: a generated token's KV attends to only "
+            f"the last {spec.rswa_window} generated tokens, so it is not the KV a prompt "
+            "with the same tokens computes"
+        )
+
     @translator(specs.CrossAttentionSpec, specs.EncoderOnlyAttentionSpec)
     def _refuse(spec: Any, shape: ModelShape) -> _Translation:
         raise ValueError(

@@ -465,16 +465,19 @@ class SchedulerSide:
                 for table, ids in zip(tracked.block_ids, new_ids, strict=True):
                     table.extend(ids)
             scheduled.append((tracked, start, done, None))
-        if self.generation and self._saves:
-            # vLLM caches the blocks a step computes when it schedules them, so a request
-            # admitted in this step may hit what another computes in it: fresh as well.
-            for tracked, _, done, _ in scheduled:
-                if not tracked.skip_local_hit and not tracked.tainted:
-                    self._remember_fresh(tracked, done)
+        # vLLM caches the blocks a step computes when it schedules them, so a request
+        # admitted in this step may hit what one scheduled before it computes in it: fresh
+        # as well. Judged and remembered in vLLM's order (a resumed request may come before
+        # or after a new one).
+        order = {request_id: at for at, request_id in enumerate(output.num_scheduled_tokens)}
+        scheduled.sort(key=lambda entry: order[entry[0].request.request_id])
         for tracked, start, done, restarted in scheduled:
             if restarted is not None:
                 self._skip_local_hit(tracked, start)
                 self._start(tracked, restarted, done, step)
+            if self.generation and self._saves and not (tracked.skip_local_hit or tracked.tainted):
+                self._remember_fresh(tracked, done)
+        for tracked, start, done, _ in scheduled:
             self._plan_saves(tracked, start, done, state, step)
         idle = output.total_num_scheduled_tokens == 0
         return HybridKVMetadata(list(step.values()), self.generation, idle)
