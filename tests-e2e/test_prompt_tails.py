@@ -19,6 +19,7 @@ import pytest
 import tinymodels
 from conftest import Pool
 from scenario import CHANGED, TailRun, hybrid_runner, logprob_gap, run_tails
+from vllm_instance import PromptResult, Step
 
 UNIT = 64
 WRITTEN = tinymodels.prompt_ids(80, 2500)
@@ -70,3 +71,49 @@ def test_the_tail_s_recurrent_state_is_what_the_reader_resumes_from(tails: TailR
     corrupted = tails.state_corrupted
     assert corrupted.external_hit_tokens == TAIL
     assert logprob_gap(corrupted, tails.cold["extended_again"]) > CHANGED
+
+
+# A prompt another instance stored (blocks 0 and 1, and its tail at 1344), and a short
+# one sharing its first 256 tokens that the reader computes itself first: vLLM's own
+# cache then holds the stored prompt's first 256 tokens, inside block 0.
+STORED = tinymodels.prompt_ids(83, 1400)
+OWN = STORED[:256] + tinymodels.prompt_ids(84, 44)
+OWN_TAIL = 256
+STORED_TAIL = (len(STORED) - 1) // UNIT * UNIT  # 1344
+BRANCHED = STORED[:256] + tinymodels.prompt_ids(85, 100)  # nothing past 256 in the pool
+
+
+@pytest.fixture(scope="module")
+def own_tail(
+    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+) -> dict[str, PromptResult]:
+    run = hybrid_runner(
+        "qwen3_next",
+        models_dir, runs_dir, pool.config_path, pool.http, "own-tail", prefix_match_unit=UNIT,
+    )  # fmt: skip
+    config = {"namespace": "own-tail", "load_async": True}
+    run("writer", [Step(prompts=[STORED])], config)
+    kept = [Step(prompts=[prompt], reset_prefix_cache=False) for prompt in (STORED, BRANCHED)]
+    reader = run("reader", [Step(prompts=[OWN]), *kept], config)
+    cold = run("cold", [Step(prompts=[STORED])], None)
+    return {
+        "own": reader.steps[0].prompts[0],
+        "stored": reader.steps[1].prompts[0],
+        "branched": reader.steps[2].prompts[0],
+        "cold": cold.steps[0].prompts[0],
+    }
+
+
+def test_a_longer_pool_hit_replaces_vllm_s_own_hit_inside_a_block(
+    own_tail: dict[str, PromptResult],
+) -> None:
+    """vLLM shows the connector only the block-aligned part of its own hit (none of the
+    256 tokens here); a pool hit past the whole hit replaces it, block 0 included, whose
+    cached copy holds the reader's other prompt past 256, and the answer is a cold run's."""
+    assert own_tail["own"].num_cached_tokens == 0  # the premise: computed by the reader
+    assert own_tail["branched"].num_cached_tokens == OWN_TAIL  # ... and still held by it
+    assert own_tail["branched"].external_hit_tokens == 0
+    stored = own_tail["stored"]
+    assert stored.num_cached_tokens == stored.external_hit_tokens == STORED_TAIL
+    assert stored.token_ids == own_tail["cold"].token_ids
+    assert logprob_gap(stored, own_tail["cold"]) == 0.0

@@ -980,7 +980,8 @@ def test_the_block_vllm_s_own_hit_ends_inside_is_loaded_from_the_pool(
     vllm_specs: Any, stored: list[int], prompt_tokens: int, hit: int, loads: set[tuple]
 ) -> None:
     """vLLM's own hit (a Mamba "align" model hashing every 8 tokens) ends at 168, inside
-    block 5: vLLM gives the request a copy of a block whose tokens past 168 are another
+    block 5, and reaches the connector so (vLLM 0.32 itself shows it only its block-aligned
+    part): vLLM gives the request a copy of a block whose tokens past 168 are another
     prompt's. Where the pool's hit goes further, that block is the pool's to load, never
     left as vLLM's copy (nor a background load left with nothing to load)."""
     side, pool = _tail_side(vllm_specs, load_async=True)
