@@ -371,7 +371,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(failed, FailedLoads):
             failed = FailedLoads()
         self.scheduler_side.loads_failed(
-            connector_output.failed_recving, failed.keys, failed.unsaved
+            connector_output.failed_recving,
+            failed.keys,
+            failed.unsaved,
+            connector_output.invalid_block_ids,
         )
         reports = connector_output.kv_cache_events
         if self._announcer is not None and isinstance(reports, StoredEvents):

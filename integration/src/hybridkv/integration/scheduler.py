@@ -137,6 +137,12 @@ class SchedulerSide:
         # until vLLM looks them up afresh: never saved under the new generation's keys.
         self._stale: set[str] = set()
         self._fresh = FreshPrefixes()
+        # Local block ids holding KV computed over a failed synchronous load (vLLM reports
+        # those by id for a model of one KV cache group only): block id -> how many of its
+        # first tokens were rewritten since over right KV. Never saved, by any request that
+        # holds them (vLLM keeps them in its prefix cache, and rolls a request sharing one
+        # back only to what it had computed), until a step rewrites them whole.
+        self._poisoned: dict[int, int] = {}
         self.quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
@@ -477,10 +483,55 @@ class SchedulerSide:
                 self._start(tracked, restarted, done, step)
             if self.generation and self._saves and not (tracked.skip_local_hit or tracked.tainted):
                 self._remember_fresh(tracked, done)
+        if self._poisoned:
+            self._heal(scheduled, state, step)
         for tracked, start, done, _ in scheduled:
             self._plan_saves(tracked, start, done, state, step)
         idle = output.total_num_scheduled_tokens == 0
         return HybridKVMetadata(list(step.values()), self.generation, idle)
+
+    def _heal(
+        self,
+        scheduled: Sequence[tuple[_Tracked, int, int, Any]],
+        state: Any,
+        step: Mapping[str, RequestTransfers],
+    ) -> None:
+        """Follow the poisoned blocks through the blocks this step writes. A block written
+        whole over right KV (every block below it in the writer's table right once this
+        step's writes land, which precede any attention over them) is right again; one
+        written over poisoned KV is poisoned. A block loaded whole is right (a failed load
+        is reported again)."""
+        plan = self.plan.groups[0]
+        size, group = plan.block_size, plan.vllm_group_id
+        for transfers in step.values():
+            for ref in transfers.loads:
+                if not ref.tail:
+                    self._poisoned.pop(ref.block_id, None)
+        spans = []
+        for tracked, start, done, _ in scheduled:
+            current = state.get_block_ids(tracked.request.request_id) if state is not None else None
+            ids = (current if current is not None else tracked.block_ids)[group]
+            spans.append((ids, start, min(done, len(ids) * size)))
+        clean_below = [True] * len(spans)  # per span: its blocks below `index` are right
+        top = max((-(-done // size) for _, _, done in spans), default=0)
+        for index in range(top):  # lower blocks first: each depends on those below it
+            for at, (ids, start, done) in enumerate(spans):
+                if not start // size <= index < -(-done // size) or ids[index] == NULL_BLOCK_ID:
+                    continue
+                block_id = ids[index]
+                offset = max(start - index * size, 0)  # its tokens written before the step
+                valid = self._poisoned.get(block_id, size)  # its first tokens still right
+                written = min(done - index * size, size)
+                if clean_below[at] and valid >= offset:
+                    if written >= size:
+                        self._poisoned.pop(block_id, None)
+                    elif block_id in self._poisoned:
+                        self._poisoned[block_id] = written
+                else:
+                    self._poisoned[block_id] = min(valid, offset)
+            for at, (ids, _, _) in enumerate(spans):
+                if index < len(ids) and ids[index] in self._poisoned:
+                    clean_below[at] = False
 
     def _start(
         self,
@@ -581,6 +632,9 @@ class SchedulerSide:
             mask = tracked.store_mask[group]
             for block in range(first, min(complete, len(ids))):
                 source = sources.get(block, block)
+                if ids[block] in self._poisoned or ids[source] in self._poisoned:
+                    complete = block  # computed over a failed load: not before it is redone
+                    break
                 # Null: a window or a state vLLM already dropped; it is never coming back.
                 # Inner: a state that is not the one at the block's end (unless this
                 # step's checkpoint put that one in another block).
@@ -661,6 +715,7 @@ class SchedulerSide:
         request_ids: Iterable[str],
         keys: Iterable[str],
         unsaved: Iterable[tuple[str, int, int]] = (),
+        invalid: Iterable[int] = (),
     ) -> None:
         """Pool reads failed: `keys`, whose objects count as absent while quarantined,
         and `request_ids`, background loads that vLLM now computes from their first token
@@ -668,9 +723,22 @@ class SchedulerSide:
         again: its hit stops before the first failed block, and the blocks it computes
         past that hit are saved. `unsaved` (request id, plan group, block index): blocks
         whose read failed before the forward and saves the workers left out because their
-        step computed over a failed read; they are planned again, once vLLM has recomputed
-        them (it rolls back the requests that read a failed block) or at once (the others'
-        blocks are intact)."""
+        step computed over a failed read; they are planned again. `invalid`: vLLM's block
+        ids whose read failed before the forward: they, and every block after one in a
+        table holding it, are saved by no request until a step has written them again
+        over right KV (see `_heal`). vLLM rolls back only the first request holding such
+        a block; the others sharing it through its prefix cache wait for that one's
+        recompute, or (admitted before the failure was known, under async scheduling)
+        keep what they computed over it."""
+        invalid = set(invalid)
+        if invalid and len(self.plan.groups) == 1:  # (hybrid models load in the background)
+            group = self.plan.groups[0].vllm_group_id
+            for holder in self._tracked.values():
+                ids = holder.block_ids[group] if holder.block_ids else []
+                at = next((i for i, b in enumerate(ids) if b in invalid), None)
+                if at is not None:
+                    self._poisoned.update((b, 0) for b in ids[at:] if b != NULL_BLOCK_ID)
+            self._poisoned.update((b, 0) for b in invalid)
         for request_id, group, index in unsaved:
             tracked = self._tracked.get(request_id)
             if tracked is not None:
