@@ -77,6 +77,13 @@ class _Tracked:
     inner: set[tuple[int, int]] = field(default_factory=set)
 
 
+def _block_table(tracked: _Tracked, state: Any) -> Sequence[Sequence[int]]:
+    """The request's block ids per vLLM group: vLLM's current tables where it offers them
+    (`kv_connector_block_state`), else the mirror kept from the scheduler outputs."""
+    current = state.get_block_ids(tracked.request.request_id) if state is not None else None
+    return current if current is not None else tracked.block_ids
+
+
 @dataclass(frozen=True)
 class _PendingLoad:
     local_tokens: int
@@ -509,8 +516,7 @@ class SchedulerSide:
                     self._poisoned.pop(ref.block_id, None)
         spans = []
         for tracked, start, done, _ in scheduled:
-            current = state.get_block_ids(tracked.request.request_id) if state is not None else None
-            ids = (current if current is not None else tracked.block_ids)[group]
+            ids = _block_table(tracked, state)[group]
             spans.append((ids, start, min(done, len(ids) * size)))
         clean_below = [True] * len(spans)  # per span: its blocks below `index` are right
         top = max((-(-done // size) for _, _, done in spans), default=0)
@@ -588,8 +594,7 @@ class SchedulerSide:
             else request.num_prompt_tokens
         )
         upto = min(done, known)
-        current = state.get_block_ids(request.request_id) if state is not None else None
-        table = current if current is not None else tracked.block_ids
+        table = _block_table(tracked, state)
         saves: list[BlockRef] = []
         checkpoints: dict[int, Checkpoint] = {}
         prefill = start < max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's bound
