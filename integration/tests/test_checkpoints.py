@@ -15,6 +15,7 @@ from hybridkv.integration.checkpoints import prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.metadata import HybridKVMetadata
 from hybridkv.integration.scheduler import SchedulerSide
 
 PROMPT = list(range(1000, 1230))  # 230 tokens: blocks of 64 end at 64, 128, 192
@@ -256,30 +257,63 @@ def test_a_block_a_chunk_resumed_inside_and_ran_past_is_not_saved(
     assert states == [(5, 89, 0), (6, 90, 400)]
 
 
-def test_a_decode_step_with_draft_tokens_crossing_a_block_end_saves_the_state(
-    vllm_specs: Any,
-) -> None:
-    """Not a resumed prefill chunk: with speculative decoding a step [62, 66) crosses the
-    end of block 0, and vLLM copies the state after 64 tokens into block 0 once the
-    tokens are accepted; with `save_decode_cache` block 0 is saved, state and all."""
-    config = ConnectorConfig(save_decode_cache=True)
-    side = _side(vllm_specs, 64, checkpoint_blocks=0, config=config)
+def _decoding(vllm_specs: Any) -> tuple[SchedulerSide, Any, list[int], Any]:
+    """A 60-token prompt computed in one step, blocks of 64 beside a Mamba2-like layer,
+    `save_decode_cache` on: (side, request, prompt, block tables)."""
+    side = _side(
+        vllm_specs, 64, checkpoint_blocks=0, config=ConnectorConfig(save_decode_cache=True)
+    )
     prompt = list(range(1000, 1060))
     tables = ([1, 2], [77, 78])
     r = request("r", prompt)
     side.num_new_matched_tokens(r, 0)
     side.after_alloc(r, tables, 0)
-    output = scheduler_output(new=[("r", tables, 0, 60)], tables={"r": tables})
+    side.build_meta(scheduler_output(new=[("r", tables, 0, 60)], tables={"r": tables}))
+    return side, r, prompt, tables
+
+
+def _decode_step(
+    side: SchedulerSide, r: Any, prompt: list[int], tables: Any, computed: int, scheduled: int
+) -> HybridKVMetadata:
+    """A decode step from `computed` tokens (all known: the last one just sampled) with
+    `scheduled - 1` draft tokens."""
+    r.all_token_ids = [*prompt, *range(computed + 1 - len(prompt))]
+    r.num_tokens = computed + 1
+    output = scheduler_output(cached=[("r", computed, scheduled)], tables={"r": tables})
+    return side.build_meta(output)
+
+
+def test_a_decode_step_with_draft_tokens_crossing_a_block_end_saves_the_state(
+    vllm_specs: Any,
+) -> None:
+    """Not a resumed prefill chunk: with speculative decoding a step [62, 66) crosses the
+    end of block 0, and vLLM copies the state after 64 tokens into block 0 once the
+    tokens are accepted; with `save_decode_cache` block 0 is saved, state and all, in
+    the next step (the token sampled last is known only then)."""
+    side, r, prompt, tables = _decoding(vllm_specs)
     saved = []
     for computed, scheduled in ((60, 2), (62, 4), (66, 1)):  # the drafts all accepted
-        saved += [
-            (ref.group, ref.index) for t in side.build_meta(output).requests for ref in t.saves
-        ]
-        r.all_token_ids = [*prompt, *range(computed + 1 - len(prompt))]  # and one sampled
-        r.num_tokens = computed + 1
-        output = scheduler_output(cached=[("r", computed, scheduled)], tables={"r": tables})
-    saved += [(ref.group, ref.index) for t in side.build_meta(output).requests for ref in t.saves]
+        meta = _decode_step(side, r, prompt, tables, computed, scheduled)
+        saved += [(ref.group, ref.index) for t in meta.requests for ref in t.saves]
+        assert not meta.hold_saves  # the copy ran in the step before
     assert saved == [(0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_a_state_saved_in_the_step_whose_draft_tokens_cross_its_end_is_held_for_sampling(
+    vllm_specs: Any, drafts: int
+) -> None:
+    """Step [63, 64 + drafts) completes block 0 with the token sampled last. With draft
+    tokens the kernel writes its state into block 1, and vLLM copies the state after 64
+    tokens into block 0 only after sampling: the step's puts wait for `wait_for_save`
+    (layerwise puts would go out when the Mamba layer reports). Without drafts the
+    kernel writes block 0 itself."""
+    side, r, prompt, tables = _decoding(vllm_specs)
+    for computed in range(60, 63):  # plain decode steps up to 63 tokens
+        assert not _decode_step(side, r, prompt, tables, computed, 1).hold_saves
+    meta = _decode_step(side, r, prompt, tables, 63, 1 + drafts)
+    assert [(ref.group, ref.index) for t in meta.requests for ref in t.saves] == [(0, 0), (1, 0)]
+    assert meta.hold_saves == bool(drafts)
 
 
 def test_a_checkpoint_at_the_resumed_block_s_end_in_a_later_column_is_saved_as_it(

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 from conftest import attention, groups, request, require, scheduler_output
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
@@ -230,3 +232,114 @@ def test_blocks_a_request_computed_over_a_failed_block_before_it_was_known_are_n
     assert garbage == {(6, 12), (7, 13)}
     assert not (saved & garbage), saved
     rig.run(meta_n3, tables, {"a": (201, 202), "d": (257, 258)})
+
+
+def test_blocks_of_a_request_gone_before_the_failure_was_known_stay_unsaved(
+    rigs: Callable[[int], Rig],
+) -> None:
+    """Async scheduling: D, admitted blind in step N+1 over X, is cancelled before vLLM
+    processes step N's output (vLLM forgets it in the connector at once). What D computed
+    over X stays in vLLM's prefix cache: F, hitting D's blocks there later, saves none of
+    them."""
+    rig = rigs(1)
+    side = rig.side
+    a, table_a = _seed_and_fail_a(rig)
+    meta_n = side.build_meta(scheduler_output(new=[("a", (table_a,), 96, 104)]))
+    tail_d = list(range(900, 964))
+    d = request("d", PREFIX + tail_d)  # 256 tokens
+    assert side.num_new_matched_tokens(d, 192) == (0, False)
+    table_d = [*table_a[:6], 12, 13]
+    side.after_alloc(d, (table_d,), 0)
+    a.all_token_ids = [*TOKENS, 5]
+    a.num_tokens = 201
+    out_n1 = scheduler_output(cached=[("a", 200, 1)], new=[("d", (table_d,), 192, 64)])
+    meta_n1 = side.build_meta(out_n1)
+    tables = {"a": table_a, "d": table_d}
+    rig.run(meta_n, tables, {"a": (96, 200)})
+    side.forget("d")  # the client cancels D: vLLM frees it before processing step N
+    assert rig.report() == {6}
+    rig.run(meta_n1, tables, {"a": (200, 201), "d": (192, 256)})
+    rig.report()
+    meta_n2 = side.build_meta(scheduler_output(cached=[("a", 32, 169)], finished={"d"}))
+    rig.run(meta_n2, tables, {"a": (32, 201)})  # A computes X and its blocks again
+    rig.report()
+    garbage = {(i, table_d[i]) for i in (6, 7) if not rig.right(table_d[i], i)}
+    assert garbage == {(6, 12), (7, 13)}
+    f = request("f", [*PREFIX, *tail_d, *range(700, 720)])  # hits D's 256 tokens locally
+    assert side.num_new_matched_tokens(f, 256) == (0, False)
+    table_f = [*table_d, 14]
+    side.after_alloc(f, (table_f,), 0)
+    a.all_token_ids = [*a.all_token_ids, 6]
+    a.num_tokens = 202
+    out = scheduler_output(cached=[("a", 201, 1)], new=[("f", (table_f,), 256, 20)])
+    saved = {(ref.index, ref.block_id) for t in side.build_meta(out).requests for ref in t.saves}
+    assert not (saved & garbage), saved
+
+
+def test_a_preempted_request_s_freed_blocks_are_not_taken_for_its_own(
+    rigs: Callable[[int], Rig],
+) -> None:
+    """O ran and was preempted (vLLM tells the connector nothing); A's failed load lands
+    in a block O freed, Q computes in another. Nothing was computed over the failed block
+    in Q's table: Q's block is saved once the step is over."""
+    rig = rigs(0)
+    side = rig.side
+    old = request("o", list(range(3000, 3128)))
+    assert side.num_new_matched_tokens(old, 0) == (0, False)
+    table_o = [15, 16, 6, 17]
+    side.after_alloc(old, (table_o,), 0)
+    rig.run(
+        side.build_meta(scheduler_output(new=[("o", (table_o,), 0, 128)])),
+        {"o": table_o},
+        {"o": (0, 128)},
+    )
+    rig.report()  # O is preempted: its blocks go back to vLLM's free queue
+    _, table_a = _seed_and_fail_a(rig)  # A's block 1 lands in block 6
+    q_tokens = list(range(4000, 4040))
+    q = request("q", q_tokens)
+    assert side.num_new_matched_tokens(q, 0) == (0, False)
+    table_q = [17, 18]  # O's last block
+    side.after_alloc(q, (table_q,), 0)
+    out = scheduler_output(new=[("a", (table_a,), 96, 104), ("q", (table_q,), 0, 40)])
+    tables = {"a": table_a, "q": table_q}
+    rig.run(side.build_meta(out), tables, {"a": (96, 200), "q": (0, 40)})
+    assert rig.report() == {6}  # Q's save of its block 0 went back to the scheduler
+    q.all_token_ids = [*q_tokens, 1]
+    q.num_tokens = 41
+    out = scheduler_output(cached=[("a", 32, 168), ("q", 40, 1)])
+    saved = {(t.request_id, ref.index) for t in side.build_meta(out).requests for ref in t.saves}
+    assert ("q", 0) in saved
+
+
+_spans = st.lists(
+    st.lists(st.integers(1, 6), min_size=1, max_size=4).flatmap(
+        lambda ids: st.tuples(
+            st.just(ids),
+            st.integers(0, len(ids) * SIZE).flatmap(
+                lambda start: st.tuples(st.just(start), st.integers(start, len(ids) * SIZE))
+            ),
+        )
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=500)
+# S (first) meets no poisoned block, but holds block 2, which C writes over poisoned 1.
+@example(spans=[([3, 2, 4], (64, 90)), ([1, 2], (32, 64))], poisoned={1: 0})
+@given(spans=_spans, poisoned=st.dictionaries(st.integers(1, 6), st.integers(0, SIZE)))
+def test_leaving_out_the_requests_that_meet_no_poisoned_block_changes_nothing(
+    spans: list[tuple[list[int], tuple[int, int]]], poisoned: dict[int, int]
+) -> None:
+    """A step's pass over the poisoned blocks only visits the requests that may meet one
+    (cheap while a poisoned block lingers); the blocks it leaves poisoned are those the
+    pass over every request of the step leaves."""
+    specs = require("vllm.v1.kv_cache_interface")
+    plan = plan_groups(groups(specs, (["a"], attention(specs))), [0], ModelShape(1, 2))
+    keys = KeySpace(plan, "tiny")
+    every, some = (SchedulerSide(keys, ConnectorConfig(), lambda _: None) for _ in range(2))
+    steps = [(ids, start, done) for ids, (start, done) in spans]
+    every._poisoned, some._poisoned = dict(poisoned), dict(poisoned)
+    every._heal(steps, {})
+    some._heal(some._meeting_poison(steps), {})
+    assert some._poisoned == every._poisoned

@@ -963,3 +963,30 @@ def test_a_stage_holding_no_layer_of_a_group_is_refused(vllm_specs: Any) -> None
     )
     with pytest.raises(ValueError, match="group 1 has no layer on pipeline stage 1"):
         build_layouts(keys, _caches(), {"model.layers.0.attn": 0}, NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_step_holding_its_saves_puts_nothing_before_wait_for_save(
+    vllm_specs: Any, hold: bool
+) -> None:
+    """A state that vLLM copies into its block after sampling (the scheduler's
+    `hold_saves`) is read at `wait_for_save`, not when its layer reports."""
+    keys, _, layouts = _model(vllm_specs)
+    store = MemoryStore()
+    engine = TransferEngine(store, layouts)
+    names = {"model.layers.0.attn": 0, "model.layers.1.conv": 1}
+    strategy = LayerwiseStrategy(engine, [0, 1], names, CpuEvent)
+    plan = VllmLayerPlan(frozenset(), frozenset(names), frozenset())
+    layerwise = VllmLayerwise(strategy, plan)
+    worker = WorkerSide(keys, engine, layerwise, 0, CpuEvent)
+    saves = _refs([(0, 0, 1), (1, 0, 2)])
+    request = RequestTransfers(request_id="r", saves=saves)
+    worker.begin_step(HybridKVMetadata([request], hold_saves=hold))
+    worker.start_async_loads()
+    for name in names:  # vLLM's `save_kv_layer` after each layer's kernel
+        layerwise.save_layer(name)
+    assert strategy.stats.layers_saved == (0 if hold else 2)
+    worker.end_step()  # (takes the counters)
+    worker.barrier()
+    assert store.batch_is_readable(_keys(worker, saves)) == [True, True]
+    worker.close()

@@ -308,6 +308,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 checkpoints=prefill_checkpoints(vllm_config, kv_cache_config, self.plan),
                 use_eagle=drops_eagle_block(vllm_config),
                 local_hit_unit=_vllm_hash_block_size(vllm_config, kv_cache_config),
+                steps_ahead=vllm_config.max_concurrent_batches - 1,
             )
 
     def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:

@@ -62,6 +62,9 @@ class HybridKVMetadata(KVConnectorMetadata):
     change forgets which keys its requests own (their blocks hash anew from then on).
     `idle`: the step computes no token (its requests wait for their KV): rather than let
     vLLM spin through empty steps, the worker may wait a little for a background load.
+    `hold_saves`: the step saves a recurrent state that vLLM moves into its block only
+    after sampling (a decode step whose draft tokens cross the block's end): no put may
+    go out before `wait_for_save`.
     """
 
     def __init__(
@@ -69,10 +72,12 @@ class HybridKVMetadata(KVConnectorMetadata):
         requests: list[RequestTransfers] | None = None,
         generation: int = 0,
         idle: bool = False,
+        hold_saves: bool = False,
     ) -> None:
         self.requests: list[RequestTransfers] = requests or []
         self.generation = generation
         self.idle = idle
+        self.hold_saves = hold_saves
 
     def __repr__(self) -> str:
         loads = sum(len(r.loads) for r in self.requests)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,9 @@ NULL_BLOCK_ID = 0
 MAX_TAIL_CANDIDATES = 512
 
 Query = Callable[[Sequence[str]], "list[bool] | None"]
+# A request's block table in a step (in the one vLLM group of a model with one), the
+# tokens it had computed before the step, and those it has once the step ran.
+_Span = tuple[Sequence[int], int, int]
 
 
 def _has_token_ids(request: Any) -> bool:
@@ -107,6 +111,7 @@ class SchedulerSide:
         checkpoints: PrefillCheckpoints | None = None,
         use_eagle: bool = False,
         local_hit_unit: int = 0,
+        steps_ahead: int = 0,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
@@ -117,7 +122,8 @@ class SchedulerSide:
         prompt tail). `use_eagle`: vLLM drops the last block of its own hits (see
         `drops_eagle_block`); hits from the pool, and the states saved for them, follow.
         `local_hit_unit`: vLLM's hash block size, which its own prefix-cache hits end on a
-        multiple of (0: the plan's hash unit)."""
+        multiple of (0: the plan's hash unit). `steps_ahead`: how many steps vLLM schedules
+        before it reports a step's outcome (async scheduling, pipeline stages)."""
         self._checkpoints = checkpoints
         self.keys = keys
         self._events = events
@@ -150,6 +156,11 @@ class SchedulerSide:
         # holds them (vLLM keeps them in its prefix cache, and rolls a request sharing one
         # back only to what it had computed), until a step rewrites them whole.
         self._poisoned: dict[int, int] = {}
+        # What each step not yet reported on computed over (its spans in that group): a
+        # failed load is reported after `steps_ahead` more steps were scheduled, maybe
+        # once a request that computed over it has finished (and is forgotten) or was
+        # preempted (its mirror then names blocks that other requests own).
+        self._computed: deque[list[_Span]] = deque(maxlen=steps_ahead + 1)
         self.quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self.hit_tokens = 0
         self.tail_hit_tokens = 0
@@ -490,34 +501,63 @@ class SchedulerSide:
                 self._start(tracked, restarted, done, step)
             if self.generation and self._saves and not (tracked.skip_local_hit or tracked.tainted):
                 self._remember_fresh(tracked, done)
-        if self._poisoned:
-            self._heal(scheduled, state, step)
-        for tracked, start, done, _ in scheduled:
-            self._plan_saves(tracked, start, done, state, step)
+        hold = False
+        if self._saves:  # (each request's table resolved once: vLLM builds it on request)
+            tables = [_block_table(tracked, state) for tracked, _, _, _ in scheduled]
+            if self._loads and len(self.plan.groups) == 1:  # (hybrid ones load in the background)
+                self._follow_failed_loads(scheduled, tables, step)
+            for (tracked, start, done, _), current in zip(scheduled, tables, strict=True):
+                hold |= self._plan_saves(tracked, start, done, current, step)
         idle = output.total_num_scheduled_tokens == 0
-        return HybridKVMetadata(list(step.values()), self.generation, idle)
+        return HybridKVMetadata(list(step.values()), self.generation, idle, hold)
 
-    def _heal(
+    def _follow_failed_loads(
         self,
         scheduled: Sequence[tuple[_Tracked, int, int, Any]],
-        state: Any,
+        tables: Sequence[Sequence[Sequence[int]]],
         step: Mapping[str, RequestTransfers],
     ) -> None:
+        """Keep what this step computes over until its outcome is reported (ids below a
+        step's end never change in a table: vLLM builds a new one on each request, the
+        mirror only grows), and follow the poisoned blocks through what it writes."""
+        plan = self.plan.groups[0]
+        size, group = plan.block_size, plan.vllm_group_id
+        spans = []
+        for (_, start, done, _), table in zip(scheduled, tables, strict=True):
+            ids = table[group]
+            spans.append((ids, start, min(done, len(ids) * size)))
+        self._computed.append(spans)
+        if self._poisoned:
+            self._heal(self._meeting_poison(spans), step)
+
+    def _meeting_poison(self, spans: Sequence[_Span]) -> list[_Span]:
+        """The spans that may meet a poisoned block in this step: those holding one, and
+        those holding a block that one of those writes (it may turn poisoned now). The
+        others leave the poisoned blocks as they are."""
+        size = self.plan.groups[0].block_size
+        reach = set(self._poisoned)
+        meeting = [False] * len(spans)
+        grew = True
+        while grew:
+            grew = False
+            for at, (ids, start, done) in enumerate(spans):
+                end = -(-done // size)
+                if not meeting[at] and not reach.isdisjoint(ids[:end]):
+                    meeting[at] = grew = True
+                    reach.update(ids[start // size : end])
+        return [span for span, meets in zip(spans, meeting, strict=True) if meets]
+
+    def _heal(self, spans: Sequence[_Span], step: Mapping[str, RequestTransfers]) -> None:
         """Follow the poisoned blocks through the blocks this step writes. A block written
         whole over right KV (every block below it in the writer's table right once this
         step's writes land, which precede any attention over them) is right again; one
         written over poisoned KV is poisoned. A block loaded whole is right (a failed load
         is reported again)."""
-        plan = self.plan.groups[0]
-        size, group = plan.block_size, plan.vllm_group_id
+        size = self.plan.groups[0].block_size
         for transfers in step.values():
             for ref in transfers.loads:
                 if not ref.tail:
                     self._poisoned.pop(ref.block_id, None)
-        spans = []
-        for tracked, start, done, _ in scheduled:
-            ids = _block_table(tracked, state)[group]
-            spans.append((ids, start, min(done, len(ids) * size)))
         clean_below = [True] * len(spans)  # per span: its blocks below `index` are right
         top = max((-(-done // size) for _, _, done in spans), default=0)
         for index in range(top):  # lower blocks first: each depends on those below it
@@ -576,15 +616,18 @@ class SchedulerSide:
         tracked: _Tracked,
         start: int,
         done: int,
-        state: Any,
+        table: Sequence[Sequence[int]],
         step: dict[str, RequestTransfers],
-    ) -> None:
+    ) -> bool:
         """Queue the store-worthy blocks this step completes (the prompt's, or with
         `save_decode_cache` also those the generated tokens complete, as far as they are
         known: with async scheduling vLLM counts a step's token before it is sampled, and
-        speculative decoding schedules draft tokens that may be rejected)."""
+        speculative decoding schedules draft tokens that may be rejected). True if one
+        is a state that vLLM copies into its block after sampling: a decode step's draft
+        tokens ran past the block's end in this step, so the kernel wrote the state
+        further on."""
         if not self._saves or tracked.tainted:
-            return
+            return False
         if self.generation:
             self._remember_fresh(tracked, done)
         request = tracked.request
@@ -594,10 +637,10 @@ class SchedulerSide:
             else request.num_prompt_tokens
         )
         upto = min(done, known)
-        table = _block_table(tracked, state)
         saves: list[BlockRef] = []
         checkpoints: dict[int, Checkpoint] = {}
         prefill = start < max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's bound
+        after_sampling = False
         for group, plan in enumerate(self.plan.groups):
             size = plan.block_size
             written = None
@@ -654,6 +697,11 @@ class SchedulerSide:
                     if self._events is not None:
                         stored = self._events(request, plan.vllm_group_id, size, block)
                     saves.append(BlockRef(group, block, ids[source], hashes[block], stored))
+                    after_sampling |= (
+                        not prefill
+                        and group in self._state_groups
+                        and start < (source + 1) * size < done
+                    )
             tracked.scanned[group] = complete
         saves.extend(self._tail_saves(tracked, done, table, checkpoints))
         if saves:
@@ -661,6 +709,7 @@ class SchedulerSide:
                 request.request_id, RequestTransfers(request_id=request.request_id)
             )
             entry.saves.extend(saves)
+        return after_sampling
 
     def _tail_saves(
         self,
@@ -737,12 +786,13 @@ class SchedulerSide:
         keep what they computed over it."""
         invalid = set(invalid)
         if invalid and len(self.plan.groups) == 1:  # (hybrid models load in the background)
-            group = self.plan.groups[0].vllm_group_id
-            for holder in self._tracked.values():
-                ids = holder.block_ids[group] if holder.block_ids else []
-                at = next((i for i, b in enumerate(ids) if b in invalid), None)
-                if at is not None:
-                    self._poisoned.update((b, 0) for b in ids[at:] if b != NULL_BLOCK_ID)
+            size = self.plan.groups[0].block_size
+            for spans in self._computed:
+                for ids, _, done in spans:
+                    end = -(-done // size)
+                    at = next((i for i in range(end) if ids[i] in invalid), None)
+                    if at is not None:
+                        self._poisoned.update((b, 0) for b in ids[at:end] if b != NULL_BLOCK_ID)
             self._poisoned.update((b, 0) for b in invalid)
         for request_id, group, index in unsaved:
             tracked = self._tracked.get(request_id)

@@ -322,7 +322,8 @@ class WorkerSide:
             raise RuntimeError("state copies planned but the worker has no caches to copy")
         # Another rank's failed load reaches this rank's KV through the model's
         # all-reduces: with several ranks, a step that loads saves only once they agree.
-        hold = bool(sync) and self._any_rank is not None
+        # (And a state vLLM moves into its block after sampling is read only then.)
+        hold = (bool(sync) and self._any_rank is not None) or meta.hold_saves
         try:
             self.strategy.begin_step(sync, saves, hold_saves=hold)
             if copies:
