@@ -49,7 +49,9 @@ class Rig:
         self.worker = WorkerSide(
             self.keys, engine, WholeBlocks(engine, CpuEvent), 0, CpuEvent, steps_ahead=steps_ahead
         )
-        self.side = SchedulerSide(self.keys, ConnectorConfig(), self.store.batch_is_readable)
+        self.side = SchedulerSide(
+            self.keys, ConnectorConfig(), self.store.batch_is_readable, steps_ahead=steps_ahead
+        )
         hashes = RequestHashes(plan, "", None, 0)
         hashes.cover(PREFIX, len(PREFIX))
         self.hashes = hashes.for_group(SIZE)[:6]  # the shared prefix's blocks 0-5
@@ -141,6 +143,23 @@ def _seed_and_fail_a(rig: Rig) -> tuple[Any, list[int]]:
     table_a = [5, 6, 7, 8, 9, 10, 11]
     side.after_alloc(a, (table_a,), 96)
     return a, table_a
+
+
+def _saves_admitting(
+    rig: Rig, newcomer: Any, table: list[int], local_hit: int, running: Any
+) -> set[tuple[int, int]]:
+    """(block index, block id) of the saves planned in the step that admits `newcomer`,
+    hitting `local_hit` tokens in vLLM's prefix cache, while `running` decodes a token."""
+    side = rig.side
+    assert side.num_new_matched_tokens(newcomer, local_hit) == (0, False)
+    side.after_alloc(newcomer, (table,), 0)
+    running.all_token_ids = [*running.all_token_ids, 0]
+    running.num_tokens += 1
+    out = scheduler_output(
+        cached=[(running.request_id, running.num_tokens - 1, 1)],
+        new=[(newcomer.request_id, (table,), local_hit, newcomer.num_tokens - local_hit)],
+    )
+    return {(ref.index, ref.block_id) for t in side.build_meta(out).requests for ref in t.saves}
 
 
 @pytest.mark.parametrize("case", ["a_recomputes_all", "a_aborted", "a_chunk_capped"])
@@ -266,14 +285,45 @@ def test_blocks_of_a_request_gone_before_the_failure_was_known_stay_unsaved(
     garbage = {(i, table_d[i]) for i in (6, 7) if not rig.right(table_d[i], i)}
     assert garbage == {(6, 12), (7, 13)}
     f = request("f", [*PREFIX, *tail_d, *range(700, 720)])  # hits D's 256 tokens locally
-    assert side.num_new_matched_tokens(f, 256) == (0, False)
-    table_f = [*table_d, 14]
-    side.after_alloc(f, (table_f,), 0)
-    a.all_token_ids = [*a.all_token_ids, 6]
-    a.num_tokens = 202
-    out = scheduler_output(cached=[("a", 201, 1)], new=[("f", (table_f,), 256, 20)])
-    saved = {(ref.index, ref.block_id) for t in side.build_meta(out).requests for ref in t.saves}
+    saved = _saves_admitting(rig, f, [*table_d, 14], 256, a)
     assert not (saved & garbage), saved
+
+
+def test_blocks_computed_over_a_failed_block_by_a_request_gone_a_step_before_its_report(
+    rigs: Callable[[int], Rig],
+) -> None:
+    """Async scheduling: A computes over X in step N and is cancelled before step N+1 is
+    scheduled; only step N's table shows A's blocks after X. B, sharing only X, is rolled
+    back and computes X again right; E, hitting A's blocks in vLLM's prefix cache, saves
+    none of the garbage A left after X."""
+    rig = rigs(1)
+    side = rig.side
+    _, table_a = _seed_and_fail_a(rig)
+    b = request("b", [*PREFIX[:64], *range(900, 940)])  # 104 tokens: shares blocks 0-1
+    assert side.num_new_matched_tokens(b, 64) == (0, False)
+    table_b = [*table_a[:2], 12, 13]
+    side.after_alloc(b, (table_b,), 0)
+    out_n = scheduler_output(new=[("a", (table_a,), 96, 104), ("b", (table_b,), 64, 40)])
+    meta_n = side.build_meta(out_n)
+    side.forget("a")  # the client cancels A: vLLM frees it before scheduling step N+1
+    b.all_token_ids = [*b.all_token_ids, 1]
+    b.num_tokens = 105
+    meta_n1 = side.build_meta(scheduler_output(cached=[("b", 104, 1)], finished={"a"}))
+    tables = {"a": table_a, "b": table_b}
+    rig.run(meta_n, tables, {"a": (96, 200), "b": (64, 104)})
+    assert rig.report() == {6}  # update_from_output(N): B back to 32 (A is gone)
+    rig.run(meta_n1, tables, {"b": (104, 105)})
+    meta_n2 = side.build_meta(scheduler_output(cached=[("b", 32, 73)]))
+    rig.report()
+    rig.run(meta_n2, tables, {"b": (32, 105)})  # B computes X and its blocks again
+    rig.report()
+    assert rig.right(table_a[1], 1)  # X is right again; A's blocks after it are not
+    garbage = {(i, table_a[i]) for i in range(2, 6) if not rig.right(table_a[i], i)}
+    assert garbage == {(i, table_a[i]) for i in range(3, 6)}  # (block 2 loaded right)
+    e = request("e", TOKENS)  # A's prompt: hits A's 192 tokens in vLLM's prefix cache
+    saved = _saves_admitting(rig, e, [*table_a[:6], 14], 192, b)
+    assert not (saved & garbage), saved
+    assert rig.stored_wrong(range(6)) == []
 
 
 def test_a_preempted_request_s_freed_blocks_are_not_taken_for_its_own(
