@@ -122,6 +122,7 @@ def test_vllm_mooncake_store_connector_config_carries_over() -> None:
         ("enable_cross_layers_blocks", True, "in place"),
         ("enable_group_semantics", True, "own object"),
         ("preferred_segment", "10.0.0.2:1234", "MOONCAKE_CONFIG_PATH"),
+        ("cache_prefix", "tenant-a", "set namespace"),
     ],
 )
 def test_vllm_mooncake_layout_keys_are_refused_with_the_reason(
@@ -182,6 +183,9 @@ def test_ascend_store_connector_config_carries_over() -> None:
             "save_decode_cache": True,
             "discard_partial_chunks": True,
             "h2d_stagger_us": 50,
+            "h2d_stagger_group_size": 4,  # read by newer releases
+            "h2d_stagger_dynamic_addrs_per_us": 8,
+            "h2d_stagger_max_us": 200,
             "layerwise_num_shared_buffers": 2,
             "layerwise_independent_layers": [0],  # physical layer indices
             "prefill_pp_size": 1,

@@ -91,6 +91,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # connector does not have (it moves KV straight between the cache and the pool):
     # accepted so configs carry over, with no effect.
     h2d_stagger_us: NonNegative = 0
+    h2d_stagger_group_size: NonNegative = 0
+    h2d_stagger_dynamic_addrs_per_us: NonNegative = 0
+    h2d_stagger_max_us: NonNegative = 0
     layerwise_num_shared_buffers: NonNegative | None = None
     # AscendStoreConnector takes physical layer indices here.
     layerwise_independent_layers: list[int | str] | None = None
@@ -198,6 +201,7 @@ VLLM_MOONCAKE_ONLY = {
     "enable_cross_layers_blocks": "follows the cache's own layout (block-outermost caches "
     "already move each object in place)",
     "enable_group_semantics": "stores each block of each KV cache group as its own object",
+    "cache_prefix": "separates deployments sharing one pool with its namespace key: set namespace",
     "preferred_segment": "takes object placement from the Mooncake file: put "
     "preferred_segment in the JSON that MOONCAKE_CONFIG_PATH names",
 }
