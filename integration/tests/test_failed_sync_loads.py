@@ -159,7 +159,12 @@ def _saves_admitting(
         cached=[(running.request_id, running.num_tokens - 1, 1)],
         new=[(newcomer.request_id, (table,), local_hit, newcomer.num_tokens - local_hit)],
     )
-    return {(ref.index, ref.block_id) for t in side.build_meta(out).requests for ref in t.saves}
+    return _saved(side.build_meta(out))
+
+
+def _saved(meta: HybridKVMetadata) -> set[tuple[int, int]]:
+    """(block index, block id) of every save `meta` plans."""
+    return {(ref.index, ref.block_id) for t in meta.requests for ref in t.saves}
 
 
 @pytest.mark.parametrize("case", ["a_recomputes_all", "a_aborted", "a_chunk_capped"])
@@ -244,7 +249,7 @@ def test_blocks_a_request_computed_over_a_failed_block_before_it_was_known_are_n
     d.num_tokens = 258
     meta_n3 = side.build_meta(scheduler_output(cached=[("a", 201, 1), ("d", 257, 1)]))
     rig.report()
-    saved = {(ref.index, ref.block_id) for t in meta_n3.requests for ref in t.saves}
+    saved = _saved(meta_n3)
     # D's blocks 6-7 were computed in N+1 over the garbage X and are never recomputed
     # (vLLM did not roll D back): saving them publishes garbage under their right keys.
     garbage = {(i, table_d[i]) for i in (6, 7) if not rig.right(table_d[i], i)}
