@@ -691,7 +691,9 @@ def test_a_read_its_retry_recovered_is_not_blamed_for_a_later_client_error() -> 
     assert_clean(store, outstanding)
 
 
-def test_a_key_whose_re_pin_is_unanswered_fails_unblamed() -> None:
+def test_a_key_whose_re_pin_is_unanswered_fails_unblamed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The first read of a key fails (a lease may have expired); pinning it again gets
     no answer from the master: it fails without a retry, and no object is blamed."""
     store = MemoryStore()
@@ -707,6 +709,8 @@ def test_a_key_whose_re_pin_is_unanswered_fails_unblamed() -> None:
         assert step.wait_layer_loaded(0) == {0: {broken.local_block}}
         result = step.finish()
         outstanding = reader.outstanding("load")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == ["get_session_start (re-pin): 1 of 1 keys failed: {'RPC_FAILED': 1}"]
     assert result.failed_keys == [broken.key]
     assert result.blamed_keys == []
     assert_clean(store, outstanding)
@@ -837,9 +841,11 @@ def test_a_segment_holder_killed_mid_step_fails_blocks_and_leaves_nothing_partia
 
 
 def test_a_ranged_load_outliving_the_masters_lease_still_reads_every_layer(
-    start_mooncake_master: StartMaster,
+    start_mooncake_master: StartMaster, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A get session lasts one lease (default_kv_lease_ttl): later reads must re-pin."""
+    """A get session lasts one lease (default_kv_lease_ttl): later reads must re-pin. The
+    expired reads they recover from are no warning (a long ranged load meets them always)."""
+    caplog.set_level(logging.INFO, logger="hybridkv.transport")
     master = start_mooncake_master(lease_ttl_ms=300)
     prefix = unique_prefix()
     source, target = Caches(num_blocks=8, seed=22), Caches(num_blocks=8, seed=23)
@@ -857,6 +863,10 @@ def test_a_ranged_load_outliving_the_masters_lease_still_reads_every_layer(
                 assert step.wait_layer_loaded(layer) == {}
             result = step.finish()
         assert result.ok
+        expired = [r for r in caplog.records if r.getMessage().startswith("get_ranges:")]
+        assert expired, "the lease never ran out: the test tests nothing"
+        assert {r.levelno for r in expired} == {logging.INFO}
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         remap = {(t.group, s.local_block): t.local_block for s, t in zip(saves, loads, strict=True)}
         for (group, source_block), target_block in remap.items():
             assert target.block_bytes(group, target_block) == source.block_bytes(

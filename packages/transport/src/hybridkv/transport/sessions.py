@@ -200,11 +200,11 @@ class Outcome:
             )
 
 
-def _log_failures(operation: str, statuses: Sequence[Status]) -> None:
+def _log_failures(operation: str, statuses: Sequence[Status], level: int = logging.WARNING) -> None:
     counts = Counter(status.name for status in statuses if not status.ok)
     if counts:
-        log.warning("%s: %d of %d keys failed: %s", operation, sum(counts.values()),
-                    len(statuses), dict(counts))  # fmt: skip
+        log.log(level, "%s: %d of %d keys failed: %s", operation, sum(counts.values()),
+                len(statuses), dict(counts))  # fmt: skip
 
 
 class GroupBatch:
@@ -449,8 +449,10 @@ class Transfers:
         send: StoreCall,
         before: PartCopy | None = None,
         after: PartCopy | None = None,
+        level: int = logging.WARNING,
     ) -> list[tuple[GroupBatch, int]]:
-        """Run `send` over the limit-sized slices of `call`; returns the rows that failed.
+        """Run `send` over the limit-sized slices of `call`; returns the rows that failed
+        (logged at `level`).
 
         `before` (copy a slice into staging before its call) or `after` (copy it out once
         its call is done; failed rows are dropped first) pipeline the slices on the staging
@@ -458,20 +460,28 @@ class Transfers:
         """
         parts = self.options.split(call.nbytes, call.pieces)
         if self.pool is None:
-            return self.issue_serially(call, parts, operation, send)
+            return self.issue_serially(call, parts, operation, send, level)
         if after is not None:
-            return self._get_pipelined(call, finer(parts, call.nbytes), operation, send, after)
+            return self._get_pipelined(
+                call, finer(parts, call.nbytes), operation, send, after, level
+            )
         if before is not None:
             parts = finer(parts, call.nbytes)
-        return self._put_pipelined(call, parts, operation, send, before)
+        return self._put_pipelined(call, parts, operation, send, before, level)
 
     def issue_serially(
-        self, call: Call, parts: list[slice], operation: str, send: StoreCall
+        self,
+        call: Call,
+        parts: list[slice],
+        operation: str,
+        send: StoreCall,
+        level: int = logging.WARNING,
     ) -> list[tuple[GroupBatch, int]]:
         """Run `send` over `parts` one after another here; returns the rows that failed."""
         failed: list[tuple[GroupBatch, int]] = []
         for part in parts:
-            failed += self._settle(call, part, operation, _guarded(send, part, operation))
+            statuses = _guarded(send, part, operation)
+            failed += self._settle(call, part, operation, statuses, level)
         return failed
 
     def _put_pipelined(
@@ -481,6 +491,7 @@ class Transfers:
         operation: str,
         send: StoreCall,
         before: PartCopy | None,
+        level: int,
     ) -> list[tuple[GroupBatch, int]]:
         assert self.pool is not None
         calls: list[Future[list[Status]]] = []
@@ -493,18 +504,24 @@ class Transfers:
             wait(calls)  # even if a copy failed: a call may still read the slabs
         failed: list[tuple[GroupBatch, int]] = []
         for part, done in zip(parts, calls, strict=True):
-            failed += self._settle(call, part, operation, done.result())
+            failed += self._settle(call, part, operation, done.result(), level)
         return failed
 
     def _get_pipelined(
-        self, call: Call, parts: list[slice], operation: str, send: StoreCall, after: PartCopy
+        self,
+        call: Call,
+        parts: list[slice],
+        operation: str,
+        send: StoreCall,
+        after: PartCopy,
+        level: int,
     ) -> list[tuple[GroupBatch, int]]:
         assert self.pool is not None
         calls = [self.pool.gets.submit(_guarded, send, part, operation) for part in parts]
         failed: list[tuple[GroupBatch, int]] = []
         try:
             for part, done in zip(parts, calls, strict=True):
-                failed_here = self._settle(call, part, operation, done.result())
+                failed_here = self._settle(call, part, operation, done.result(), level)
                 self.fail(failed_here)  # before the copy: failed rows are never written
                 failed += failed_here
                 after(part)
@@ -513,7 +530,7 @@ class Transfers:
         return failed
 
     def _settle(
-        self, call: Call, part: slice, operation: str, statuses: list[Status]
+        self, call: Call, part: slice, operation: str, statuses: list[Status], level: int
     ) -> list[tuple[GroupBatch, int]]:
         failed: list[tuple[GroupBatch, int]] = []
         for (batch, row), nbytes, status in zip(
@@ -526,7 +543,7 @@ class Transfers:
         if failed:
             self.outcome.judged(call.keys[part], statuses)
         self.outcome.no_space |= Status.NO_SPACE in statuses
-        _log_failures(operation, statuses)
+        _log_failures(operation, statuses, level)
         return failed
 
     def fail(self, rows: Iterable[tuple[GroupBatch, int]], blamed: bool = True) -> None:
@@ -955,11 +972,12 @@ class RangedReads(Reads):
         if not call.keys:
             return
         self.caches_writable()
-        failed = self.issue(call, "get_ranges", self._get_ranges(call))
+        # A get session lives as long as the master's lease (default_kv_lease_ttl, 5 s by
+        # default): reads after it expired fail with TRANSFER_FAILED. Pin the keys again
+        # and retry once; what fails again (a dead segment) fails for good, and only that
+        # is worth a warning (a ranged load longer than the lease meets this every time).
+        failed = self.issue(call, "get_ranges", self._get_ranges(call), level=logging.INFO)
         if failed:
-            # A get session lives as long as the master's lease (default_kv_lease_ttl, 5 s
-            # by default): reads after it expired fail with TRANSFER_FAILED. Pin the keys
-            # again and retry once; what fails again (a dead segment) fails for good.
             repinned = self._repin(list(dict.fromkeys(batch.keys[row] for batch, row in failed)))
             retry, lost = Call(), []
             for batch, row in failed:
@@ -987,6 +1005,7 @@ class RangedReads(Reads):
         except StoreError as exc:
             log.warning("re-pinning %d keys failed: %s", len(keys), exc)
             statuses = [status_of(exc)] * len(keys)
+        _log_failures("get_session_start (re-pin)", statuses)
         self.outcome.judged(keys, statuses)
         return {key for key, status in zip(keys, statuses, strict=True) if status.ok}
 
