@@ -1,17 +1,22 @@
 from __future__ import annotations
 
 import logging
+import socket
 import stat
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import zmq
+from conftest import require
 
 from hybridkv.integration.lookup import (
+    LOOPBACK,
     LookupClient,
     LookupServer,
     claim_socket,
@@ -335,3 +340,72 @@ def test_the_scheduler_takes_the_socket_s_path_once_answered_and_keeps_its_conne
     assert client.query(["yes", "no", "yes-too"]) == [True, False, True]
     client.close()
     server.close()
+
+
+def _free_port_pair() -> int:
+    """A loopback port whose next port is free too (DP engines 0 and 1 take both)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind((LOOPBACK, 0))
+            port: int = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind((LOOPBACK, port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two adjacent free loopback ports")
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(moe: bool) -> None:
+    """vLLM resets data_parallel_rank to 0 in each DP engine of a dense model (they run
+    independently; data_parallel_index keeps the rank): with a fixed lookup_rpc_port both
+    engines took the same port and the second one's worker failed to bind it."""
+    require("vllm")
+    import torch
+    from vllm.config import KVTransferConfig, ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1 import kv_cache_interface as specs
+
+    from hybridkv.integration.connector import HybridKVConnector
+
+    port = _free_port_pair()
+    spec = specs.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    kv_cache_config = specs.KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[specs.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=spec)],
+    )
+    connectors = []
+    for rank in (0, 1):
+        parallel = ParallelConfig(data_parallel_size=2, data_parallel_rank=rank)
+        parallel.data_parallel_index = rank  # what vLLM's run_engine_core does, then:
+        if not moe:
+            parallel.reconfigure_for_independent_dp_rank()
+        vllm_config: Any = SimpleNamespace(
+            parallel_config=parallel,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="HybridKVConnector",
+                kv_role="kv_both",
+                engine_id=f"engine_dp{rank}",
+                kv_connector_extra_config={"lookup_rpc_port": port, "store": "memory"},
+            ),
+            cache_config=SimpleNamespace(
+                get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="NHD")
+            ),
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, model="tiny"),
+            kv_events_config=None,
+        )
+        connectors.append(HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config))
+    endpoints = [connector._lookup_endpoint for connector in connectors]
+    assert endpoints == [f"tcp://{LOOPBACK}:{port}", f"tcp://{LOOPBACK}:{port + 1}"]
+    assert [connector._instance for connector in connectors] == [
+        "engine_dp0-dp0",
+        "engine_dp1-dp1",
+    ]
+    servers = [LookupServer(_readable, endpoint) for endpoint in endpoints]  # both bind
+    for server in servers:
+        server.close()

@@ -154,10 +154,18 @@ def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     return unit if partial_hash_hits_enabled(groups, unit, dcp, managers) else 0
 
 
+def _data_parallel_index(vllm_config: VllmConfig) -> int:
+    """This engine's data-parallel rank. Not `data_parallel_rank`: vLLM sets that to 0 in
+    every engine of a dense model (its DP engines run independently), so engines on one
+    host would share a lookup port."""
+    index: int = vllm_config.parallel_config.data_parallel_index
+    return index
+
+
 def _instance_id(vllm_config: VllmConfig) -> str:
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None
-    return f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_rank}"
+    return f"{transfer.engine_id}-dp{_data_parallel_index(vllm_config)}"
 
 
 def _any_rank(tp_group: Any) -> Callable[[bool], bool]:
@@ -256,7 +264,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
         # A fixed port past 65535, or a socket path too long, is refused here, not at the
         # first lookup.
-        port = self.config.lookup_port(vllm_config.parallel_config.data_parallel_rank)
+        port = self.config.lookup_port(_data_parallel_index(vllm_config))
         self._instance = _instance_id(vllm_config)
         # Worker rank 0's lookup server: the configured loopback port, else a Unix socket
         # (`_socket_path`, None with a port) whose path the scheduler takes once answered.
