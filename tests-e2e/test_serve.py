@@ -32,6 +32,8 @@ from api_server import (
 from conftest import Pool
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS, thread_binding
 
+from hybridkv.transport.testing import free_ports
+
 PROMPT = tinymodels.prompt_ids(90, 4 * MAX_NUM_BATCHED_TOKENS + 1)
 EXPECTED_HIT = (len(PROMPT) - 1) // BLOCK * BLOCK  # a multiple of the prefill chunk too
 
@@ -92,14 +94,20 @@ DP_PROMPT = tinymodels.prompt_ids(91, 2 * MAX_NUM_BATCHED_TOKENS + 1)
 DP_EXPECTED_HIT = (len(DP_PROMPT) - 1) // BLOCK * BLOCK
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["socket", "port"])
 def data_parallel(
-    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+    request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
 ) -> tuple[Served, Served, list[str]]:
     """What engine 0, then engine 1, of one two-engine server answered and counted, and
-    the files of ours its temp directory held once it stopped."""
+    the files of ours its temp directory held once it stopped. Lookups over Unix sockets
+    (the default), or over a fixed lookup_rpc_port: each engine takes the port plus its
+    rank (vLLM resets data_parallel_rank to 0 in the engines of a dense model)."""
+    lookup = request.param
+    extra: dict[str, Any] = {"namespace": f"serve-dp-{lookup}"}  # each run stores anew
+    if lookup == "port":
+        extra["lookup_rpc_port"] = free_ports(2)
     model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
-    temp = runs_dir / "serve-dp-tmp"
+    temp = runs_dir / f"serve-dp-{lookup}-tmp"
     temp.mkdir()
     env = {
         "MOONCAKE_CONFIG_PATH": str(pool.config_path),
@@ -107,7 +115,8 @@ def data_parallel(
         "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2),
     }
     runs = []
-    with served(model, env, runs_dir / "serve-dp.log", data_parallel=2) as server:
+    log = runs_dir / f"serve-dp-{lookup}.log"
+    with served(model, env, log, data_parallel=2, extra=extra) as server:
         for engine in (0, 1):
             runs.append(server.complete_counted(DP_PROMPT, engine=engine))
     return runs[0], runs[1], [path.name for path in temp.rglob("hybridkv*")]

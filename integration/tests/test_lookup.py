@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import stat
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from hybridkv.integration.lookup import (
     remove_socket,
     socket_path,
 )
+from hybridkv.transport.testing import free_ports
 
 
 def _readable(keys: Sequence[str]) -> list[bool]:
@@ -342,23 +342,6 @@ def test_the_scheduler_takes_the_socket_s_path_once_answered_and_keeps_its_conne
     server.close()
 
 
-def _free_port_pair() -> int:
-    """A loopback port whose next port is free too (DP engines 0 and 1 take both)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind((LOOPBACK, 0))
-            port: int = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((LOOPBACK, port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two adjacent free loopback ports")
-
-
 @pytest.mark.parametrize("moe", [False, True])
 def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(moe: bool) -> None:
     """vLLM resets data_parallel_rank to 0 in each DP engine of a dense model (they run
@@ -372,7 +355,7 @@ def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(moe: bool)
 
     from hybridkv.integration.connector import HybridKVConnector
 
-    port = _free_port_pair()
+    port = free_ports(2)
     spec = specs.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     kv_cache_config = specs.KVCacheConfig(
         num_blocks=8,

@@ -13,7 +13,9 @@ Under `HYBRIDKV_REQUIRE_REAL=1` a missing Mooncake fails these tests instead of 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -54,6 +56,23 @@ def require_mooncake() -> None:
         load_client_class()
     except StoreError as exc:
         require_real(str(exc))
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports nobody listens on right now (as
+    data-parallel engines take a configured port plus their rank)."""
+    for _ in range(100):
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind((LOOPBACK, 0))
+            start = int(first.getsockname()[1])
+            try:
+                for port in range(start + 1, start + count):
+                    held.enter_context(socket.socket()).bind((LOOPBACK, port))
+            except OSError:  # taken, or past 65535
+                continue
+            return start
+    raise RuntimeError(f"no {count} consecutive free loopback ports")
 
 
 def mooncake_config(master_address: str, **overrides: Any) -> MooncakeConfig:
