@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import require
+from conftest import attention, groups
 
 from hybridkv.integration.lookup import (
     LOOPBACK,
@@ -343,24 +343,22 @@ def test_the_scheduler_takes_the_socket_s_path_once_answered_and_keeps_its_conne
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(moe: bool) -> None:
+def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(
+    vllm_specs: Any, moe: bool
+) -> None:
     """vLLM resets data_parallel_rank to 0 in each DP engine of a dense model (they run
     independently; data_parallel_index keeps the rank): with a fixed lookup_rpc_port both
     engines took the same port and the second one's worker failed to bind it."""
-    require("vllm")
-    import torch
     from vllm.config import KVTransferConfig, ParallelConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1 import kv_cache_interface as specs
 
     from hybridkv.integration.connector import HybridKVConnector
 
     port = free_ports(2)
-    spec = specs.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    kv_cache_config = specs.KVCacheConfig(
+    kv_cache_config = vllm_specs.KVCacheConfig(
         num_blocks=8,
         kv_cache_tensors=[],
-        kv_cache_groups=[specs.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=spec)],
+        kv_cache_groups=groups(vllm_specs, (["a"], attention(vllm_specs))),
     )
     connectors = []
     for rank in (0, 1):

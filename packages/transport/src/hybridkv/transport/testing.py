@@ -13,7 +13,6 @@ Under `HYBRIDKV_REQUIRE_REAL=1` a missing Mooncake fails these tests instead of 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ import pytest
 
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
-from hybridkv.transport.master import LOOPBACK, MasterProcess
+from hybridkv.transport.master import LOOPBACK, MasterProcess, free_port
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore, load_client_class
 from hybridkv.transport.segment_holder import SegmentHolder
@@ -62,17 +61,19 @@ def free_ports(count: int) -> int:
     """The first of `count` consecutive loopback ports nobody listens on right now (as
     data-parallel engines take a configured port plus their rank)."""
     for _ in range(100):
-        with contextlib.ExitStack() as held:
-            first = held.enter_context(socket.socket())
-            first.bind((LOOPBACK, 0))
-            start = int(first.getsockname()[1])
-            try:
-                for port in range(start + 1, start + count):
-                    held.enter_context(socket.socket()).bind((LOOPBACK, port))
-            except OSError:  # taken, or past 65535
-                continue
+        start = free_port()
+        if all(_bindable(port) for port in range(start + 1, start + count)):
             return start
     raise RuntimeError(f"no {count} consecutive free loopback ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:  # taken, or past 65535
+            return False
+    return True
 
 
 def mooncake_config(master_address: str, **overrides: Any) -> MooncakeConfig:
