@@ -25,7 +25,7 @@ from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingCommitStore, FailingOpenStore, fail_at_call
 
 from hybridkv.transport import BlockTransfer, TransferEngine, sessions
-from hybridkv.transport.errors import Status, StoreUnavailable
+from hybridkv.transport.errors import Status, StoreClosed, StoreUnavailable
 from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
@@ -938,3 +938,31 @@ def test_a_master_killed_mid_step_fails_fast_then_the_engine_recovers_on_restart
             assert store.batch_is_readable([t.key for t in saving]) == [False] * len(saving)
     finally:
         store.close()
+
+
+class UnpinRaises(MemoryStore):
+    """Ending a get session raises a store error (the pins stay until their lease lapses)."""
+
+    def get_session_end(self, keys: Sequence[str]) -> None:
+        raise StoreClosed("MooncakeStore is closed")
+
+
+def test_a_load_whose_session_end_raises_still_stands(caplog: pytest.LogCaptureFixture) -> None:
+    """Every read is in before the get session ends: a store error ending it is a
+    warning, not a failed load (vLLM would recompute bytes it already has)."""
+    store = UnpinRaises()
+    source, saves = filled_caches_and_saves(seed=38)
+    with engine_for(store, source, "whole") as writer:
+        assert save(writer, saves, "whole").ok
+    target = Caches(num_blocks=8, seed=39)
+    with engine_for(store, target, "layer") as reader:
+        result = load(reader, saves, "layer")
+    assert result.ok
+    for transfer in saves:
+        group, block = transfer.group, transfer.local_block
+        assert target.block_bytes(group, block) == source.block_bytes(group, block)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [
+        f"get_session_end of {len(saves)} keys failed (their pins lapse with the lease): "
+        "MooncakeStore is closed"
+    ]
