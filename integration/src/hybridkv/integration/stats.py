@@ -106,7 +106,7 @@ PROMETHEUS_HELP = {
     "saved_blocks": "Blocks whose save to the pool was issued (failed ones too)",
     "saved_bytes": "Bytes saved to the pool",
     "save_seconds": "Seconds spent saving whole blocks",
-    "failed_save_blocks": "Blocks whose save failed (left out of the pool)",
+    "failed_save_blocks": "Blocks whose save failed or could not be issued (not in the pool)",
     "layerwise_steps": "Steps that moved KV layer by layer",
     "layers_saved": "Layers handed to layerwise saves",
     "load_wait_s": "Forward seconds waiting for layer loads",
