@@ -188,6 +188,30 @@ def test_a_recomputed_request_saves_the_blocks_past_its_new_hit(vllm_specs: Any)
     ]
 
 
+def test_a_finished_id_reused_in_the_same_step_keeps_the_new_request_s_loads(
+    vllm_specs: Any,
+) -> None:
+    """vLLM passes the ids that finished since the last step with the step that may
+    already schedule a new request under one of them (request ids kept as sent): its
+    loads must go out, or vLLM waits for them forever."""
+    side, pool = _side(
+        vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), load_async=True
+    )
+    _store(side, pool, TOKENS, [0], 96)
+    first = request("r", TOKENS)
+    assert side.num_new_matched_tokens(first, 0) == (96, True)
+    side.after_alloc(first, ([1, 2, 3, 4, 5, 6, 7],), 96)
+    side.build_meta(scheduler_output())
+    side.forget("r")  # vLLM's request_finished (aborted)
+    again = request("r", TOKENS)
+    assert side.num_new_matched_tokens(again, 0) == (96, True)
+    side.after_alloc(again, ([11, 12, 13, 14, 15, 16, 17],), 96)
+    meta = side.build_meta(scheduler_output(finished={"r"}))
+    (transfers,) = meta.requests
+    assert transfers.request_id == "r"
+    assert [(ref.index, ref.block_id) for ref in transfers.loads] == [(0, 11), (1, 12), (2, 13)]
+
+
 def test_a_prompt_given_as_embeddings_is_neither_looked_up_nor_saved(vllm_specs: Any) -> None:
     """vLLM fills its token ids with 0: saved under their hashes, its KV would be what a
     prompt of token 0 repeated loads."""

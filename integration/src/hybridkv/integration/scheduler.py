@@ -459,9 +459,10 @@ class SchedulerSide:
     # -- per step ---------------------------------------------------------------------
 
     def build_meta(self, output: Any) -> HybridKVMetadata:
-        """This step's loads (decided at allocation) and saves (blocks it completes)."""
-        for request_id in output.finished_req_ids:
-            self.forget(request_id)
+        """This step's loads (decided at allocation) and saves (blocks it completes).
+
+        (`output.finished_req_ids` are forgotten already, at `request_finished`; an id
+        vLLM reuses for a new request in this very step names that request.)"""
         step: dict[str, RequestTransfers] = dict(self._ready)
         self._ready.clear()
         state = getattr(output, "kv_connector_block_state", None)
