@@ -751,6 +751,41 @@ def test_saves_of_a_layerwise_step_whose_start_raised_count_as_failed(vllm_specs
         worker.close()
 
 
+def test_failed_loads_count_objects_where_groups_share_a_block_id(rig: Any) -> None:
+    """vLLM gets the block id once; the stat counts both groups' objects, as
+    `loaded_blocks` does."""
+    worker, _, _ = rig
+    missing = _refs([(0, 0, 5), (1, 1, 5)])  # never stored
+    _step(worker, [RequestTransfers(request_id="b", loads=missing)])
+    assert worker.take_load_errors() == {5}
+    stats = worker.counters.take()
+    assert stats is not None
+    assert (stats.data["loaded_blocks"], stats.data["failed_load_blocks"]) == (2, 2)
+
+
+def test_a_step_vllm_never_ends_is_ended_at_the_next_step_s_first_hook(rig: Any) -> None:
+    """vLLM's V1 runner with a drafter never calls `wait_for_save` on a pipeline stage
+    before the last: its saves go out at the next step's `handle_preemptions`, before any
+    block is written again, and are stored and announced."""
+    worker, caches, store = rig
+    events = [_stored_event(index) for index in range(2)]
+    saves = [
+        BlockRef(0, index, index + 1, bytes([0, index]) * 16, events[index]) for index in range(2)
+    ]
+    worker.begin_step(HybridKVMetadata([RequestTransfers(request_id="a", saves=saves)]))
+    worker.start_async_loads()
+    assert worker.take_load_errors() == set()  # what vLLM still asks that step
+    assert store.batch_is_readable(_keys(worker, saves)) == [False, False]
+    expected = caches["model.layers.0.attn"][1:3].clone()
+    worker.before_step()
+    caches["model.layers.0.attn"][1:3] = 0  # the next step reuses the blocks
+    assert store.batch_is_readable(_keys(worker, saves)) == [True, True]
+    assert [e.event for e in worker.take_stored_events()] == events
+    _step(worker, [RequestTransfers(request_id="b", loads=_refs([(0, 0, 5), (0, 1, 6)]))])
+    assert worker.take_load_errors() == set()
+    assert torch.equal(caches["model.layers.0.attn"][5:7], expected)
+
+
 def test_only_completed_puts_are_announced_with_their_head(rig: Any) -> None:
     worker, _, store = rig
     events = [_stored_event(index) for index in range(2)]

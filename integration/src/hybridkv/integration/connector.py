@@ -514,9 +514,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return WholeBlocks(engine, lambda: make_event(device))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first hook of a step: settle the saves still reading blocks (see
-        # `_preemptions_come_first`).
-        self.worker_side.barrier()
+        # The first hook of a step (see `_preemptions_come_first`).
+        self.worker_side.before_step()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step starts here: vLLM calls start_load_kv after the forward when the step

@@ -183,6 +183,7 @@ class WorkerSide:
         self._steps_scheduled_blind = 0  # coming steps vLLM scheduled before a failed load
         self._loads_raised = False
         self._loads_failed: bool | None = False  # None: the step's loads are not settled
+        self._step_open = False  # begun, not ended
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
@@ -239,9 +240,13 @@ class WorkerSide:
         would stop the engine of a hybrid model, whose groups repeat them). Either way the
         failed keys go to the scheduler, which quarantines them."""
         failed = {block for blocks in result.failed_blocks.values() for block in blocks}
+        # Objects, as `loaded_blocks` counts them: a hybrid model's groups repeat block ids.
+        failed_objects = sum(len(blocks) for blocks in result.failed_blocks.values())
         self._failed_keys.update(result.blamed_keys)
         if failed:
-            logger.warning("hybridkv: %d blocks failed to load; vLLM recomputes them", len(failed))
+            logger.warning(
+                "hybridkv: %d blocks failed to load; vLLM recomputes them", failed_objects
+            )
             if request_id is not None:
                 self._failed_requests.add(request_id)
             else:
@@ -249,7 +254,7 @@ class WorkerSide:
         self._count(
             loaded_bytes=result.bytes,
             load_seconds=result.seconds,
-            failed_load_blocks=len(failed),
+            failed_load_blocks=failed_objects,
         )
 
     def _record_sync_load(self, result: TransferResult, loads: Sequence[BlockTransfer]) -> None:
@@ -280,6 +285,15 @@ class WorkerSide:
             # A contended key was another instance's to store: that one announces it.
             unstored = {*result.failed_keys, *result.contended_keys}
             self._stored.extend(event for key, event in announce.items() if key not in unstored)
+
+    def before_step(self) -> None:
+        """vLLM's `handle_preemptions`, its first hook of a step, before any block is
+        written: end the last step if vLLM did not (its V1 runner defers `wait_for_save`
+        past the draft model's forward, which a pipeline stage before the last never
+        runs), then settle the saves still reading blocks."""
+        if self._step_open:
+            self.end_step()
+        self.barrier()
 
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """The step's metadata is bound, the forward not started: hand the strategy its plan."""
@@ -313,6 +327,7 @@ class WorkerSide:
         self._sync_loads = sync
         self._loads_raised = False
         self._loads_failed = None
+        self._step_open = True
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
             fence = self._new_event()
@@ -385,6 +400,7 @@ class WorkerSide:
         block it completed after them: the strategy saves none of those (see
         `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
         has recomputed them."""
+        self._step_open = False
         failed = self.settle_loads()
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
