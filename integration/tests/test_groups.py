@@ -41,6 +41,18 @@ def test_only_prefix_cacheable_groups_are_planned(vllm_specs: Any) -> None:
     assert not plan.hybrid
 
 
+def test_hits_align_to_groups_that_are_not_stored_too(vllm_specs: Any) -> None:
+    """vLLM's own hits land on the LCM of every group's block size (its scheduler block
+    size), those it does not let a store hold (e.g. a replayed window) included."""
+    config = groups(
+        vllm_specs, (["a"], attention(vllm_specs)), (["b"], attention(vllm_specs, block_size=48))
+    )
+    plan = plan_groups(config, [0], SHAPE)
+    assert [g.block_size for g in plan.groups] == [32]
+    assert plan.alignment == 96
+    assert plan.coordinator().alignment == 96
+
+
 def test_mamba_needs_align_mode(vllm_specs: Any) -> None:
     config = groups(vllm_specs, (["m"], mamba(vllm_specs, mode="none")))
     with pytest.raises(ValueError, match=r"group 0.*mamba_cache_mode='align'"):

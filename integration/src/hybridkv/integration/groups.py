@@ -212,6 +212,8 @@ class KVPlan:
     digest: str
     hash_block_size: int
     pp_size: int = 1
+    # vLLM's scheduler block size: the LCM over ALL its groups, those not stored included.
+    scheduler_block_size: int = 1
 
     @property
     def hybrid(self) -> bool:
@@ -232,7 +234,9 @@ class KVPlan:
 
     @property
     def alignment(self) -> int:
-        return math.lcm(*(group.block_size for group in self.groups))
+        """Where hits may land: vLLM's own hits land on its scheduler block size (groups
+        not stored, such as a replayed window, count too)."""
+        return math.lcm(self.scheduler_block_size, *(group.block_size for group in self.groups))
 
 
 def plan_groups(
@@ -282,6 +286,9 @@ def plan_groups(
         digest=digest,
         hash_block_size=math.gcd(*(plan.block_size for plan in plans)),
         pp_size=max(1, len(pp_stages)),
+        scheduler_block_size=math.lcm(
+            *(group.kv_cache_spec.block_size for group in kv_cache_groups)
+        ),
     )
 
 
