@@ -219,8 +219,11 @@ class Coordinator:
         """Largest boundary a hit capped at `max_tokens` could land on.
 
         With EAGLE the dropped block past the boundary must lie within `known_tokens`, the
-        tokens whose blocks exist (default `max_tokens`): vLLM caps a hit at the request's
-        length - 1 but matches the dropped block among all the request's full blocks.
+        tokens whose blocks exist (default `max_tokens`): vLLM's hybrid coordinator caps a
+        hit at the request's length - 1 but matches the dropped block among all the
+        request's full blocks. (Its single-group coordinator matches within length - 1
+        only: one block shorter where the length is a multiple of the block size; the
+        dropped block is recomputed either way.)
         """
         max_tokens = _require_count("max_tokens", max_tokens)
         known = self._known(max_tokens, known_tokens)
