@@ -180,7 +180,7 @@ class Ownership:
 
 
 class RequestTracker:
-    """Outstanding transfers per request and direction, for vLLM's `get_finished`.
+    """Outstanding transfers per request and direction, for vLLM's `get_transfer_results`.
 
     A request is reported once each time all of its transfers issued so far completed.
     """
