@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.coordinator import Hit, Masks, RecurrentState, marked_blocks
+from hybridkv.coordinator import Hit, Masks, RecurrentState
 from hybridkv.integration.checkpoints import Checkpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
@@ -290,10 +290,10 @@ class SchedulerSide:
         """Readability of the masked blocks; blocks vLLM already holds count as readable."""
         asked: list[list[int]] = []
         batches: list[tuple[int, list[bytes]]] = []
-        for group, plan in enumerate(self.plan.groups):
+        for group, (plan, marks) in enumerate(zip(self.plan.groups, mask, strict=True)):
             size = plan.block_size
             hashes = tracked.hashes.for_group(size)
-            blocks = [b for g, b in marked_blocks(mask) if g == group and (b + 1) * size > local]
+            blocks = [b for b, marked in enumerate(marks) if marked and (b + 1) * size > local]
             asked.append(blocks)
             batches.append((group, [hashes[b] for b in blocks]))
         self.lookups += 1
