@@ -55,6 +55,7 @@ class Rig:
         groups: dict[int, tuple[int, tuple[int, ...]]] = GROUPS,
         reporters: dict[str, int] = REPORTERS,
         new_event: Callable[[], Event] = CpuEvent,
+        always_report: Sequence[str] = (),
     ) -> None:
         self.groups = groups
         self.store = store if store is not None else MemoryStore()
@@ -84,7 +85,9 @@ class Rig:
         options = options or PipelineOptions(granularity="layer")
         self.engine = TransferEngine(self.store, self.layouts, options)
         all_layers = sorted({layer for _, layers in groups.values() for layer in layers})
-        self.strategy = LayerwiseStrategy(self.engine, all_layers, reporters, new_event)
+        self.strategy = LayerwiseStrategy(
+            self.engine, all_layers, reporters, new_event, always_report
+        )
 
     def transfers(
         self, blocks: Sequence[int], groups: Sequence[int] | None = None, tag: str = ""

@@ -102,6 +102,49 @@ def test_a_hook_that_never_fired_is_caught_up_in_layer_order(rig: Rig) -> None:
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
 
 
+def test_a_draft_layer_numbered_like_an_early_layer_is_saved_after_it_ran() -> None:
+    """Qwen3-Next's MTP layer `mtp.layers.0` is numbered 0 beside the target's layer 0
+    (here its GDN state) but runs after the whole target forward: later target layers
+    do not carry layer 0 before the draft layer has written its cache."""
+    draft = "mtp.layers.0.self_attn.attn"
+    reporters = {
+        "model.layers.0.linear_attn": 0,  # the target's GDN: group 2's layer 0
+        "model.layers.1.self_attn.attn": 1,
+        "model.layers.2.self_attn.attn": 2,
+        MIXER: 3,
+        draft: 0,  # the draft's attention: group 0's layer 0
+    }
+    windows = [name for name in reporters if name.endswith("attn")]
+    rig = Rig(reporters=reporters, always_report=windows)
+    try:
+        rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
+        rig.caches[2, 0][BLOCKS] = 1
+        rig.strategy.post_compute_save("model.layers.0.linear_attn")
+        for layer in (1, 2):
+            rig.fill(layer, BLOCKS, 10 + layer)
+            with rig.strategy.window(f"model.layers.{layer}.self_attn.attn"):
+                pass
+        rig.fill(3, BLOCKS, 13)
+        rig.strategy.post_compute_save(MIXER)
+        assert wait_until(lambda: rig.readable(1, BLOCKS))  # layers 1, 2, 3
+        assert not rig.readable(0, BLOCKS)  # its layer 0 waits for the draft
+        rig.caches[0, 0][BLOCKS] = 99  # the draft forward writes its cache
+        with rig.strategy.window(draft):
+            pass
+        result = rig.strategy.wait_for_save()
+        assert result is not None
+        assert result.ok
+        expected = {key: cache.copy() for key, cache in rig.caches.items()}
+        for cache in rig.caches.values():
+            cache[:] = 0
+        rig.engine.load(rig.transfers(BLOCKS)).wait()
+        for key, cache in rig.caches.items():
+            np.testing.assert_array_equal(cache[BLOCKS], expected[key][BLOCKS], err_msg=str(key))
+        assert (rig.caches[0, 0][BLOCKS] == 99).all()
+    finally:
+        rig.close()
+
+
 def test_step_end_waits_for_every_put_when_the_last_layer_has_nothing_to_save() -> None:
     rig = Rig(store=GatedStore())
     try:

@@ -345,6 +345,7 @@ def build_vllm_layerwise(
         layers=sorted(set(layer_of.values())),
         reporters={name: layer_of[name] for name in plan.reporters},
         new_event=lambda: make_event(device),
+        always_report=plan.windows | plan.after_kernel,
     )
     sizes = {group: layout.object_size for group, layout in engine.layouts.items()}
     layerwise = VllmLayerwise(

@@ -13,8 +13,11 @@ passes through the same three points, whatever framework drives it:
   submit the put there, then apply the same send backpressure.
 
 A physical layer's put goes out once every layer name that reports for it has reported;
-any earlier layer still unsubmitted goes out first (it has finished computing), so puts
-always reach the transport in layer order even when a hook never fired. The step ends at
+any earlier layer still unsubmitted goes out first (it has finished computing), so a layer
+whose hook never fired (a module hook traced away by torch.compile) still goes out in
+order. Not one still waiting for a reporter that calls in at every forward (vLLM's
+connector calls): that one may run later than its number says (a draft model's layer
+numbered like an early target layer, as Qwen3-Next's `mtp.layers.0`). The step ends at
 `wait_for_save`, which submits what is left and waits for every queued put. Any error, in
 the forward or surfacing from the transfer threads, drains the step fully before it
 propagates: nothing is left in flight or half-committed behind the caller's back.
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -82,8 +85,10 @@ class LayerwiseStrategy:
     `reporters` maps each layer name that calls in (an attention window, or a
     post-compute hook) to its physical layer; `layers` are every physical layer that
     holds cache entries (a layer without a reporter is carried by the next one that
-    reports, or by `wait_for_save`). `new_event` makes the device event of the compute
-    stream (`hybridkv.transport.make_event(device)` in production).
+    reports, or by `wait_for_save`). `always_report`: the reporters that call in at every
+    forward; a later layer never carries one still waiting for them. `new_event` makes the
+    device event of the compute stream (`hybridkv.transport.make_event(device)` in
+    production).
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class LayerwiseStrategy:
         layers: Sequence[int],
         reporters: Mapping[str, int],
         new_event: Callable[[], Event],
+        always_report: Collection[str] = (),
     ) -> None:
         unknown = sorted(name for name, layer in reporters.items() if layer not in set(layers))
         if unknown:
@@ -99,6 +105,7 @@ class LayerwiseStrategy:
         self._engine = engine
         self._layers = sorted(set(layers))
         self._reporters = dict(reporters)
+        self._always_report = frozenset(always_report) & set(reporters)
         self._new_event = new_event
         self._state: _StepState | None = None
         # The keys whose reads the store failed in the step drained last (see `abort`).
@@ -211,7 +218,7 @@ class LayerwiseStrategy:
             return None
         state.hold = False
         state.tainted |= not keep_saves
-        self._submit_through(state, self._layers[-1] if self._layers else -1)
+        self._submit(state, list(state.unsubmitted))
         self._state = None
         started = time.perf_counter()
         try:
@@ -253,15 +260,21 @@ class LayerwiseStrategy:
         pending = state.unreported[layer]
         pending.discard(name)
         if not pending:
-            self._submit_through(state, layer)
+            self._submit(
+                state,
+                [
+                    earlier
+                    for earlier in state.unsubmitted
+                    if earlier <= layer and not state.unreported[earlier] & self._always_report
+                ],
+            )
 
-    def _submit_through(self, state: _StepState, layer: int) -> None:
-        """Submit every unsubmitted layer up to `layer`, all gated on one fresh event.
+    def _submit(self, state: _StepState, due: list[int]) -> None:
+        """Submit the unsubmitted layers `due` (ascending), all gated on one fresh event.
 
         Once a get failed, nothing more is submitted: those layers computed over blocks
         without valid KV, and a group missing layers is dropped when the step finishes.
         """
-        due = [pending for pending in state.unsubmitted if pending <= layer]
         if not due or state.hold or state.tainted or any(state.failed_loads.values()):
             return
         event = self._new_event()
