@@ -311,3 +311,16 @@ def test_layerwise_transfer_refuses_micro_batches(dbo: bool, ubatch: int) -> Non
     with pytest.raises(ValueError, match=f"enable_dbo={dbo}, ubatch_size={ubatch}"):
         refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=parallel))  # type: ignore[arg-type]
     refuse_layerwise_micro_batches(SimpleNamespace(parallel_config=ParallelConfig()))  # type: ignore[arg-type]
+
+
+def test_layers_are_numbered_as_vllm_binds_their_caches() -> None:
+    """LongCat-Flash holds two attention modules per layer, numbered apart by vLLM (one
+    number each would name two integers and stop start-up); other models, one per layer."""
+    from hybridkv.integration.connector import layer_numbers
+
+    longcat = ["model.layers.3.self_attn.0.attn", "model.layers.3.self_attn.1.attn"]
+    assert layer_numbers(longcat, "longcat_flash") == dict(zip(longcat, [6, 7], strict=True))
+    names = ["model.layers.3.self_attn.attn", "mtp.layers.0.self_attn.attn"]
+    assert layer_numbers(names, "qwen3_next") == dict(zip(names, [3, 0], strict=True))
+    with pytest.raises(AssertionError, match="only contain one integer"):
+        layer_numbers(longcat, "llama")

@@ -154,6 +154,15 @@ def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     return unit if partial_hash_hits_enabled(groups, unit, dcp, managers) else 0
 
 
+def layer_numbers(names: Iterable[str], model_type: str) -> dict[str, int]:
+    """Each cache's physical layer, numbered as vLLM binds the caches (`bind_kv_cache`):
+    LongCat-Flash's two attention modules per layer get numbers of their own."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    modules = 2 if model_type == "longcat_flash" else 1
+    return {name: extract_layer_index(name, modules) for name in names}
+
+
 def _data_parallel_index(vllm_config: VllmConfig) -> int:
     """This engine's data-parallel rank. Not `data_parallel_rank`: vLLM sets that to 0 in
     every engine of a dense model (its DP engines run independently), so engines on one
@@ -444,7 +453,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             get_tensor_model_parallel_rank,
             get_tp_group,
         )
-        from vllm.model_executor.models.utils import extract_layer_index
 
         tp_rank = get_tensor_model_parallel_rank()
         tp_group = get_tp_group()
@@ -456,7 +464,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.namespace,
                 pp_rank,
             )
-        layer_index = {name: extract_layer_index(name) for name in kv_caches}
+        layer_index = layer_numbers(kv_caches, self._vllm_config.model_config.hf_config.model_type)
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
         pool = open_pool(self.config, tp_rank, tp_group.broadcast_object, self.plan.pp_size)
         device = self._vllm_config.device_config.device_type
