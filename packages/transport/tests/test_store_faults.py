@@ -5,6 +5,8 @@ Each must end in a typed status, quickly, with nothing half-written readable aft
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 
@@ -219,5 +221,28 @@ def test_dead_holder_fails_reads_fast_without_garbage(
         status, out = get_one(store, half_written, 8192)
         assert status is OK
         assert np.array_equal(out, data)
+    finally:
+        store.close()
+
+
+def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
+    start_mooncake_master: StartMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stalled master times the client's calls out (Mooncake's RPC_TIMEOUT, -901): no
+    answer, as with a master that is gone, not a missing or failed object."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "1000")
+    master = start_mooncake_master()
+    store = MooncakeStore.connect(mooncake_config(master.address))
+    data = np.arange(4096, dtype=np.uint8)
+    stored = keys_of("stalled", 1)
+    try:
+        assert put_all(store, stored, data) == [OK]
+        os.kill(master.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable, match="batch_is_readable of 'fault-stalled"):
+                store.batch_is_readable(stored)
+            assert store.get_session_start(stored) == [Status.RPC_FAILED]
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
     finally:
         store.close()

@@ -50,6 +50,7 @@ _STATUS_OF_CODE: dict[int, Status] = {status.value: status for status in Status}
     -711: Status.EXISTS,  # REPLICA_ALREADY_EXISTS
     -712: Status.NOT_FOUND,  # REPLICA_IS_GONE
     -500: Status.TRANSFER_FAILED,  # WRITE_FAIL
+    -901: Status.RPC_FAILED,  # RPC_TIMEOUT: the master did not answer in time
 }
 
 
