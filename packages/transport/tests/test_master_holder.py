@@ -90,6 +90,15 @@ def test_two_masters_get_different_ports(start_mooncake_master: StartMaster) -> 
     assert start_mooncake_master().address != start_mooncake_master().address
 
 
+def test_a_master_is_not_started_on_a_port_another_process_listens_on(
+    start_mooncake_master: StartMaster,
+) -> None:
+    """The new master could not bind it, and the other listener would pass for it."""
+    taken = start_mooncake_master().rpc_port
+    with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{taken} already accepts connections"):
+        MasterProcess.start(rpc_port=taken, timeout_s=5)
+
+
 def test_master_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:
     busy = free_port()
     fake = tmp_path / "mooncake_master"

@@ -257,6 +257,12 @@ class MasterProcess(ServiceProcess):
     ) -> MasterProcess:
         """Start and wait until it accepts connections (rpc_port 0: pick free ports)."""
         executable = binary or find_master_binary()
+        if rpc_port and is_listening(host, rpc_port):
+            # It would fail to bind, and the port's listener would pass for it.
+            raise StoreUnavailable(
+                f"mooncake_master: {host}:{rpc_port} already accepts connections: another "
+                "process listens there"
+            )
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": host}
         for attempt in range(1, attempts + 1):
             port = rpc_port or free_port(host)
