@@ -59,6 +59,22 @@ def groups(specs: Any, *kinds: tuple[list[str], Any]) -> list[Any]:
     return [specs.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for names, spec in kinds]
 
 
+def model_config(heads: int = 2, **fields: Any) -> SimpleNamespace:
+    """The fields of vLLM's ModelConfig that plan_from_vllm reads."""
+    import torch
+
+    defaults: dict[str, Any] = dict(
+        revision=None,
+        code_revision=None,
+        quantization=None,
+        quantization_config=None,
+        dtype=torch.bfloat16,
+        hf_overrides={},
+        get_total_num_kv_heads=lambda: heads,
+    )
+    return SimpleNamespace(**{**defaults, **fields})
+
+
 def request(request_id: str, tokens: list[int], **extra: Any) -> SimpleNamespace:
     """The fields of vllm.v1.request.Request the scheduler side reads."""
     fields: dict[str, Any] = dict(

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import attention, groups, mamba
+from conftest import attention, groups, mamba, model_config
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -184,7 +184,7 @@ def test_the_digest_follows_how_vllm_orders_a_blocks_heads_and_tokens(
         vllm_config: Any = SimpleNamespace(
             parallel_config=ParallelConfig(),
             cache_config=cache,
-            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads),
+            model_config=model_config(heads),
         )
         return plan_from_vllm(vllm_config, kv_cache_config, "").digest
 
@@ -324,3 +324,37 @@ def test_layers_are_numbered_as_vllm_binds_their_caches() -> None:
     assert layer_numbers(names, "qwen3_next") == dict(zip(names, [3, 0], strict=True))
     with pytest.raises(AssertionError, match="only contain one integer"):
         layer_numbers(longcat, "llama")
+
+
+def test_weights_that_compute_other_kv_hash_every_block_apart(vllm_specs: Any) -> None:
+    """One model name and cache layout, other weights (a revision, a quantization, a
+    dtype, RoPE overrides): no block hash in common, so neither loads the other's KV."""
+    import torch
+
+    from hybridkv.integration.connector import weights_identity
+    from hybridkv.integration.keying import RequestHashes
+
+    def config(**model: Any) -> Any:
+        return SimpleNamespace(
+            model_config=model_config(**model), cache_config=SimpleNamespace(cache_dtype="auto")
+        )
+
+    configs = [
+        config(),
+        config(revision="v2"),
+        config(quantization="fp8"),
+        config(dtype=torch.float16),
+        config(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),
+    ]
+    identities = [weights_identity(c) for c in configs]
+    assert len(set(identities)) == len(configs)
+    assert weights_identity(config()) == identities[0]  # another process, the same weights
+    specs = groups(vllm_specs, (["a"], attention(vllm_specs)))
+    tokens = list(range(64))
+    hashes = []
+    for identity in [*identities, identities[0]]:
+        request_hashes = RequestHashes(plan_groups(specs, [0], SHAPE, weights=identity), "", None)
+        request_hashes.cover(tokens, 64)
+        hashes.append(request_hashes.for_group(32))
+    assert hashes[0] == hashes[-1]
+    assert len({block for blocks in hashes for block in blocks}) == 2 * len(configs)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import attention, groups
+from conftest import attention, groups, model_config
 
 from hybridkv.integration.lookup import (
     LOOPBACK,
@@ -375,9 +375,10 @@ def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(
                 kv_connector_extra_config={"lookup_rpc_port": port, "store": "memory"},
             ),
             cache_config=SimpleNamespace(
-                get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="NHD")
+                get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="NHD"),
+                cache_dtype="auto",
             ),
-            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, model="tiny"),
+            model_config=model_config(model="tiny"),
             kv_events_config=None,
         )
         connectors.append(HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config))

@@ -214,6 +214,8 @@ class KVPlan:
     pp_size: int = 1
     # vLLM's scheduler block size: the LCM over ALL its groups, those not stored included.
     scheduler_block_size: int = 1
+    # What besides the layout makes one prefix's KV differ (see `weights_identity`).
+    weights: str = ""
 
     @property
     def hybrid(self) -> bool:
@@ -245,6 +247,7 @@ def plan_groups(
     shape: ModelShape,
     namespace: str = "",
     pp_stages: Sequence[tuple[int, int]] = (),
+    weights: str = "",
 ) -> KVPlan:
     """Translate the prefix-cacheable groups `group_ids` of a vLLM kv_cache_config.
 
@@ -289,6 +292,7 @@ def plan_groups(
         scheduler_block_size=math.lcm(
             *(group.kv_cache_spec.block_size for group in kv_cache_groups)
         ),
+        weights=weights,
     )
 
 

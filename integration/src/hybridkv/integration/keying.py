@@ -94,7 +94,11 @@ class RequestHashes:
         tokens only)."""
         # Each cache reset (a weight update) starts a generation whose hashes share nothing
         # with the previous ones; generation 0 hashes as before resets existed.
-        scope = f"{namespace}\0{plan.digest}" + (f"\0reset {generation}" if generation else "")
+        scope = f"{namespace}\0{plan.digest}"
+        if plan.weights:
+            scope += f"\0weights {plan.weights}"
+        if generation:
+            scope += f"\0reset {generation}"
         self._hasher = BlockHasher(plan.hash_block_size, scope)
         self._extras = RequestExtras(request)
 
