@@ -23,6 +23,17 @@ def run_forward(rig: Rig, blocks: list[int], value: int) -> None:
     rig.strategy.post_compute_save(MIXER)
 
 
+def saved_then_cleared(rig: Rig) -> dict[tuple[int, int], np.ndarray]:
+    """End the saving step (every put stored), then clear the caches: what they held."""
+    result = rig.strategy.wait_for_save()
+    assert result is not None
+    assert result.ok
+    expected = {key: cache.copy() for key, cache in rig.caches.items()}
+    for cache in rig.caches.values():
+        cache[:] = 0
+    return expected
+
+
 @pytest.fixture
 def rig() -> Rig:
     made = Rig()
@@ -33,12 +44,7 @@ def rig() -> Rig:
 def test_saved_bytes_round_trip_through_layerwise_loads(rig: Rig) -> None:
     rig.strategy.begin_step(loads=[], saves=rig.transfers(BLOCKS))
     run_forward(rig, BLOCKS, value=10)
-    result = rig.strategy.wait_for_save()
-    assert result is not None
-    assert result.ok
-    expected = {key: cache.copy() for key, cache in rig.caches.items()}
-    for cache in rig.caches.values():
-        cache[:] = 0
+    expected = saved_then_cleared(rig)
     loads = [t for t in rig.transfers(BLOCKS)]
     rig.strategy.begin_step(loads=loads, saves=[])
     for name in ATTENTION:
@@ -131,12 +137,7 @@ def test_a_draft_layer_numbered_like_an_early_layer_is_saved_after_it_ran() -> N
         rig.caches[0, 0][BLOCKS] = 99  # the draft forward writes its cache
         with rig.strategy.window(draft):
             pass
-        result = rig.strategy.wait_for_save()
-        assert result is not None
-        assert result.ok
-        expected = {key: cache.copy() for key, cache in rig.caches.items()}
-        for cache in rig.caches.values():
-            cache[:] = 0
+        expected = saved_then_cleared(rig)
         rig.engine.load(rig.transfers(BLOCKS)).wait()
         for key, cache in rig.caches.items():
             np.testing.assert_array_equal(cache[BLOCKS], expected[key][BLOCKS], err_msg=str(key))
