@@ -70,7 +70,6 @@ MASTER_RECHECK_INTERVAL_S = 0.5
 # Characters Mooncake's (ECMAScript) regex treats specially: escaped to match a prefix.
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
 _RPC_FAILED = Status.RPC_FAILED.value
-_RPC_TIMEOUT = -901  # Mooncake's RPC_TIMEOUT: a master call past its deadline
 
 
 def _mooncake_version() -> str:
@@ -408,8 +407,11 @@ class MooncakeStore:
                 return []
             if self._master_known_down():
                 return [failed] * len(keys)
-            # A master that timed out (RPC_TIMEOUT) gave no answer either.
-            codes = [_RPC_FAILED if code == _RPC_TIMEOUT else code for code in call(client)]
+            # Every code meaning no answer (a master that timed out too) as RPC_FAILED.
+            codes = [
+                _RPC_FAILED if Status.from_code(code) is Status.RPC_FAILED else code
+                for code in call(client)
+            ]
         if _RPC_FAILED in codes:
             self._master_down_since = time.monotonic()
         return codes
