@@ -204,6 +204,32 @@ def test_a_revoke_whose_client_raises_leaves_its_keys_failed_remembered_and_reus
     assert_clean(store, outstanding)
 
 
+def test_a_session_start_left_unanswered_is_revoked_and_its_keys_save_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The master opens the sessions but its answer is lost (RPC_TIMEOUT: RPC_FAILED): the
+    keys fail, no session stays open, and this client's next save stores them (an open
+    session of its own would make its start report INVALID for as long as it lives)."""
+    store = MemoryStore()
+    caches, saves = filled_caches_and_saves(seed=29)
+    start = store.put_session_start
+
+    def answer_lost(keys: Sequence[str], sizes: Sequence[int]) -> list[Status]:
+        start(keys, sizes)
+        return [Status.RPC_FAILED] * len(keys)
+
+    monkeypatch.setattr(store, "put_session_start", answer_lost)
+    keys = [t.key for t in saves]
+    with engine_for(store, caches, "layer") as engine:
+        assert sorted(save(engine, saves, "layer").failed_keys) == sorted(keys)
+        assert store.open_put_sessions() == set()
+        monkeypatch.undo()
+        assert save(engine, saves, "layer").ok
+        outstanding = engine.outstanding("save")
+    assert store.batch_is_readable(keys) == [True] * len(saves)
+    assert_clean(store, outstanding)
+
+
 def test_a_close_whose_teardown_raises_still_frees_staging_and_unregisters() -> None:
     store = MemoryStore()
     caches, saves = filled_caches_and_saves(seed=28)

@@ -711,10 +711,18 @@ class RangedWrites(Writes):
         for part in self.options.split(call.nbytes, call.pieces):
             try:
                 statuses = self.store.put_session_start(call.keys[part], sizes[part])
+                # No answer (e.g. past the RPC timeout): the master may have opened them.
+                unknown = [
+                    key
+                    for key, status in zip(call.keys[part], statuses, strict=True)
+                    if status is Status.RPC_FAILED
+                ]
             except StoreError as exc:
                 log.warning("put_session_start failed: %s", exc)
-                self._revoke(call.keys[part])
                 statuses = [status_of(exc)] * len(call.keys[part])
+                unknown = call.keys[part]
+            if unknown:
+                self._revoke(unknown)
             self.outcome.no_space |= Status.NO_SPACE in statuses
             _log_failures("put_session_start", [s for s in statuses if s is not Status.EXISTS])
             for placed, status in zip(call.rows[part], statuses, strict=True):
