@@ -16,14 +16,20 @@ copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
 bytes with `batch_put_from` / `batch_get_into` from one contiguous buffer per object (the
 best Mooncake can do, no layout work at all). Same process, then a second process reading
 what the first wrote (objects in a segment holder). `--repeats` passes after a warm-up
-pass, raw and transport runs alternating (the same store, the same bytes; the modes
-rotate); a ratio is the median over the passes of raw time / transport time (the two runs
-of a pass are adjacent, so drifts of a shared machine cancel out), with its range; speeds
-are from median times. The holder maps its whole segment at start (its default), so no
+pass; in a pass each mode runs right beside a raw run of its own (the same store, the same
+bytes, fresh keys; which of the two goes first alternates, and the modes rotate); a ratio
+is the median over the passes of raw time / transport time, so above 1 the transport is
+faster (the two runs of a pair are adjacent, so drifts of a shared machine cancel out),
+with its range; speeds are from median times. Every get is checked byte for byte, into
+memory zeroed before it. The holder maps its whole segment at start (its default), so no
 pass pays the first touch of holder pages (a put into them takes about twice as long).
 "put after last layer" is what a layerwise save leaves once its last layer was handed over,
 "get until layer 0" how long a layerwise load keeps the first layer waiting: the parts a
-forward pass cannot hide (a raw call leaves nothing usable before it returns). The serial
+forward pass cannot hide (a raw call leaves nothing usable before it returns), provided each
+layer's compute lasts as long as its transfer and leaves the cores to it. The layers are
+handed over back to back here, with no compute between them; "put stalled in checkpoints"
+is how long the full backlog then held the model thread: what a forward pass with no time
+per layer would add on top of the tail. The serial
 reference is raw put (get) plus one numpy copy of the same bytes between per-layer tensors
 and per-block objects: what host-side layout work costs when nothing overlaps it (on 2
 cores shared by client and holder, the loopback transfer leaves little room to overlap it).
@@ -42,6 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -177,17 +184,33 @@ def raw_args(
     return keys, ptrs, sizes
 
 
+def layout_tag(block_major: bool) -> str:
+    """Part of every key, so that no layout finds the other's objects."""
+    return "bm-" if block_major else "pl-"
+
+
 def checked(codes: list[int], what: str) -> None:
     bad = [code for code in codes if code < 0]
     if bad:
         raise RuntimeError(f"{what}: {len(bad)} keys failed, e.g. {bad[0]}")
 
 
-def rotated(engines: dict[str, Any], repeat: int) -> list[tuple[str, Any]]:
-    """The modes in a different order each pass: none always runs right after raw."""
+def rotated(engines: dict[str, Any], repeat: int) -> list[tuple[bool, str, Any]]:
+    """The modes in a different order each pass, each with whether it runs before its raw
+    twin (alternating, so neither side always runs first)."""
     items = list(engines.items())
     shift = repeat % len(items)
-    return items[shift:] + items[:shift]
+    order = items[shift:] + items[:shift]
+    return [(bool((repeat + i) % 2), mode, engine) for i, (mode, engine) in enumerate(order)]
+
+
+def in_order(first: Callable[[], Any], second: Callable[[], Any], swap: bool) -> tuple[Any, Any]:
+    """Both results, as (first's, second's), having run `second` first when `swap`."""
+    if swap:
+        later = second()
+        return first(), later
+    earlier = first()
+    return earlier, second()
 
 
 def timed(work: Callable[..., Any], *args: Any) -> tuple[float, Any]:
@@ -197,9 +220,13 @@ def timed(work: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def transport_put(engine: TransferEngine, saves: list[BlockTransfer], mode: str) -> float:
+def transport_put(
+    engine: TransferEngine, saves: list[BlockTransfer], mode: str
+) -> tuple[float, float]:
     """Save; returns the seconds left after the last layer was handed over (the part a
-    forward pass cannot hide: the whole save for "whole")."""
+    forward pass cannot hide: the whole save for "whole") and the seconds checkpoints held
+    the caller while the backlog was full."""
+    stalled = 0.0
     if mode == "whole":
         handed_over = time.perf_counter()
         result = engine.save(saves).wait()
@@ -207,12 +234,14 @@ def transport_put(engine: TransferEngine, saves: list[BlockTransfer], mode: str)
         step = engine.begin_layerwise(saves=saves)
         for layer in range(LAYERS):
             step.save_layer(layer, CpuEvent())
-            step.checkpoint()
+            stalled += timed(step.checkpoint)[0]
         handed_over = time.perf_counter()
         result = step.finish()
     if not result.ok:
         raise RuntimeError(f"transport put failed for {len(result.failed_keys)} keys")
-    return time.perf_counter() - handed_over
+    if result.skipped_keys or result.contended_keys:  # a left-over object: nothing moved
+        raise RuntimeError(f"transport put found {len(result.skipped_keys)} keys stored already")
+    return time.perf_counter() - handed_over, stalled
 
 
 def transport_get(
@@ -252,8 +281,8 @@ def connect(master: str) -> MooncakeStore:
 def read_all(
     master: str, blocks: int, prefixes: dict[str, str], repeats: int, block_major: bool
 ) -> dict[str, list[float]]:
-    """Get times per pass (after the warm-up) per mode and raw, of objects another process
-    wrote, and each mode's most failed keys in a pass; checks bytes."""
+    """Get times per pass (after the warm-up) per mode and of its raw twin, of objects
+    another process wrote; checks bytes and raises on any failed key."""
     expected = Caches(blocks, seed=1, block_major=block_major)
     target = Caches(blocks, seed=None, block_major=block_major)
     flat = np.zeros_like(expected.objects())
@@ -264,27 +293,35 @@ def read_all(
     keys, ptrs, sizes = raw_args(expected, flat, prefixes["raw"])
     engines = {mode: engine_for(store, target, mode) for mode in modes_for(block_major).values()}
     samples: dict[str, list[float]] = {
-        name: [] for mode in engines for name in (mode, f"{mode} first layer")
+        name: [] for mode in engines for name in (mode, f"{mode} first layer", f"{mode} raw")
     }
-    samples["raw"] = []
+
+    def raw_get() -> float:
+        flat[:] = 0
+        seconds, codes = timed(client.batch_get_into, keys, ptrs, sizes)
+        checked(codes, "raw get")
+        if not np.array_equal(flat, expected.objects()):
+            raise RuntimeError("raw get returned wrong bytes")
+        return seconds
+
+    def ours(mode: str, engine: TransferEngine) -> tuple[float, float]:
+        target.clear()
+        seconds, (failed, first_s) = timed(
+            transport_get, engine, transfers(prefixes[mode], blocks), mode
+        )
+        if failed:
+            raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
+        if not target.same_as(expected):
+            raise RuntimeError(f"transport get ({mode}) returned wrong bytes")
+        return seconds, first_s
+
     try:
         for repeat in range(repeats + 1):  # pass 0 warms both paths up
-            seconds, codes = timed(client.batch_get_into, keys, ptrs, sizes)
-            checked(codes, "raw get")
-            if not np.array_equal(flat, expected.objects()):
-                raise RuntimeError("raw get returned wrong bytes")
-            samples["raw"].append(seconds)
-            for mode, engine in rotated(engines, repeat):
-                seconds, (failed, first_s) = timed(
-                    transport_get, engine, transfers(prefixes[mode], blocks), mode
-                )
-                samples[f"{mode} first layer"].append(first_s)
-                most = times.setdefault(f"{mode} failed keys", [0])
-                most[0] = max(most[0], failed)
-                if not failed and not target.same_as(expected):
-                    raise RuntimeError(f"transport get ({mode}) returned wrong bytes")
-                target.clear()
+            for swap, mode, engine in rotated(engines, repeat):
+                raw_s, (seconds, first_s) = in_order(raw_get, partial(ours, mode, engine), swap)
+                samples[f"{mode} raw"].append(raw_s)
                 samples[mode].append(seconds)
+                samples[f"{mode} first layer"].append(first_s)
         times.update({name: runs[1:] for name, runs in samples.items()})
     finally:
         for engine in engines.values():
@@ -300,8 +337,9 @@ Samples = dict[str, list[list[float]]]  # name -> per measure, its passes after 
 def same_process(
     master: str, blocks: int, repeats: int, block_major: bool
 ) -> tuple[Samples, dict[str, str]]:
-    """Raw and every mode put then get, pass by pass; also the last pass's key prefixes
-    (left in the pool for the cross-process reader)."""
+    """Every mode and its raw twin put then get, pass by pass; also the last pass's key
+    prefixes (left in the pool for the cross-process reader)."""
+    tag = layout_tag(block_major)
     source = Caches(blocks, seed=1, block_major=block_major)
     target = Caches(blocks, seed=None, block_major=block_major)
     client = raw_client(master)
@@ -317,35 +355,54 @@ def same_process(
         for mode in modes_for(block_major).values()
     }
     scratch = np.zeros_like(flat)
-    # name -> per pass: (put, get, after the last layer, until the first layer) or, for
-    # raw, (put, get, gather)
-    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["raw", *engines]}
+    # name -> per pass: (put, get, after the last layer, stalled in checkpoints, until the
+    # first layer, raw twin's put, raw twin's get); "gather" -> per pass: (seconds,)
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["gather", *engines]}
+    kept: dict[str, str] = {}  # what the reader gets: the last pass's objects
+
+    def raw_round_trip(prefix: str) -> tuple[float, float]:
+        keys, ptrs, sizes = raw_args(source, flat, prefix)
+        put_s, codes = timed(client.batch_put_from, keys, ptrs, sizes)
+        checked(codes, "raw put")
+        back[:] = 0
+        back_ptrs = [ptr - flat.ctypes.data + back.ctypes.data for ptr in ptrs]
+        get_s, codes = timed(client.batch_get_into, keys, back_ptrs, sizes)
+        checked(codes, "raw get")
+        if not np.array_equal(back, flat):
+            raise RuntimeError("raw round trip returned wrong bytes")
+        return put_s, get_s
+
+    def round_trip(
+        mode: str, writer: TransferEngine, reader: TransferEngine, saves: list[BlockTransfer]
+    ) -> tuple[float, ...]:
+        target.clear()
+        put_s, (tail_s, stalled_s) = timed(transport_put, writer, saves, mode)
+        get_s, (failed, first_s) = timed(transport_get, reader, saves, mode)
+        if failed:
+            raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
+        if not target.same_as(source):
+            raise RuntimeError(f"transport round trip ({mode}): wrong bytes")
+        return put_s, get_s, tail_s, stalled_s, first_s
+
     try:
         for repeat in range(repeats + 1):  # pass 0 warms both paths up
-            keys, ptrs, sizes = raw_args(source, flat, f"raw{repeat}")
-            put_s, codes = timed(client.batch_put_from, keys, ptrs, sizes)
-            checked(codes, "raw put")
-            back_ptrs = [ptr - flat.ctypes.data + back.ctypes.data for ptr in ptrs]
-            get_s, codes = timed(client.batch_get_into, keys, back_ptrs, sizes)
-            checked(codes, "raw get")
-            if not np.array_equal(back, flat):
-                raise RuntimeError("raw round trip returned wrong bytes")
-            gather_s, _ = timed(source.gather_into, scratch)
-            samples["raw"].append((put_s, get_s, gather_s))
-            if repeat < repeats:
-                client.batch_remove(keys, True)
-            for mode, (writer, reader) in rotated(engines, repeat):
-                saves = transfers(f"{mode}{repeat}", blocks)
-                put_s, tail_s = timed(transport_put, writer, saves, mode)
-                get_s, (failed, first_s) = timed(transport_get, reader, saves, mode)
-                if failed:
-                    raise RuntimeError(f"transport get ({mode}): {failed} keys failed")
-                if not target.same_as(source):
-                    raise RuntimeError(f"transport round trip ({mode}): wrong bytes")
-                target.clear()
-                samples[mode].append((put_s, get_s, tail_s, first_s))
-                if repeat < repeats:
-                    client.batch_remove([t.key for t in saves], True)
+            samples["gather"].append(timed(source.gather_into, scratch)[:1])
+            for swap, mode, (writer, reader) in rotated(engines, repeat):
+                prefix, raw_prefix = f"{tag}{mode}{repeat}", f"{tag}raw-{mode}{repeat}"
+                saves = transfers(prefix, blocks)
+                raw_times, ours = in_order(
+                    partial(raw_round_trip, raw_prefix),
+                    partial(round_trip, mode, writer, reader, saves),
+                    swap,
+                )
+                samples[mode].append(ours + raw_times)
+                done = {prefix: [t.key for t in saves]}
+                done[raw_prefix] = raw_args(source, flat, raw_prefix)[0]
+                if repeat == repeats:  # the reader's: one raw twin and every mode
+                    kept[mode] = prefix
+                    kept.setdefault("raw", raw_prefix)
+                for left in set(done) - set(kept.values()):
+                    checked(client.batch_remove(done[left], True), "remove")
     finally:
         for writer, reader in engines.values():
             writer.close()
@@ -356,9 +413,7 @@ def same_process(
         name: [list(column[1:]) for column in zip(*runs, strict=True)]
         for name, runs in samples.items()
     }
-    prefixes = {"raw": f"raw{repeats}"}
-    prefixes.update({mode: f"{mode}{repeats}" for mode in engines})
-    return same, prefixes
+    return same, kept
 
 
 def cross_process(
@@ -402,17 +457,18 @@ def plus(first: list[float], second: list[float]) -> list[float]:
     return [a + b for a, b in zip(first, second, strict=True)]
 
 
-def report(
-    same: Samples, cross: dict[str, list[float]], block_major: bool, total: int, blocks: int
-) -> None:
-    raw_put, raw_get, gather = same["raw"]
+def report(same: Samples, cross: dict[str, list[float]], block_major: bool, total: int) -> None:
     modes = modes_for(block_major)
     print("same process (put, then get into other memory):")
     for label, mode in modes.items():
-        put_s, get_s, tail_s, first_s = same[mode]
+        put_s, get_s, tail_s, stalled_s, first_s, raw_put, raw_get = same[mode]
         print(ratio_line(f"{label}: put", raw_put, put_s, total))
         if mode != "whole":
             print(wait_line(f"{label}: put after last layer", raw_put, tail_s))
+            print(
+                f"  {label}: put stalled in checkpoints (no compute between layers) "
+                f"{statistics.median(stalled_s) * 1e3:.0f} ms"
+            )
         print(ratio_line(f"{label}: get", raw_get, get_s, total))
         if mode != "whole":
             print(wait_line(f"{label}: get until layer 0", raw_get, first_s))
@@ -420,6 +476,8 @@ def report(
             ratio_line(f"{label}: put+get", plus(raw_put, raw_get), plus(put_s, get_s), 2 * total)
         )
     if not block_major:
+        [gather] = same["gather"]
+        raw_put, raw_get = same[next(iter(modes.values()))][-2:]
         print(
             f"serial reference: raw + one numpy copy of the same bytes between per-layer "
             f"tensors and per-block objects ({statistics.median(gather) * 1e3:.0f} ms) = put "
@@ -428,12 +486,10 @@ def report(
         )
     print("cross process (a second process reads what this one wrote):")
     for label, mode in modes.items():
-        [failed] = cross[f"{mode} failed keys"]
-        note = f"  ({failed} of {len(GROUPS) * blocks} keys FAILED)" if failed else ""
-        print(ratio_line(f"{label}: get", cross["raw"], cross[mode], total) + note)
+        raw = cross[f"{mode} raw"]
+        print(ratio_line(f"{label}: get", raw, cross[mode], total))
         if mode != "whole":
-            first = cross[f"{mode} first layer"]
-            print(wait_line(f"{label}: get until layer 0", cross["raw"], first))
+            print(wait_line(f"{label}: get until layer 0", raw, cross[f"{mode} first layer"]))
 
 
 def main() -> int:
@@ -457,17 +513,18 @@ def main() -> int:
         f"bench_transport: {LAYERS} layers, {len(GROUPS)} groups, {args.blocks} blocks, "
         f"{total / 1e6:.0f} MB per pass, median of {args.repeats} after a warm-up pass"
     )
-    holder_bytes = (len(MODES) + 1) * total + (256 << 20)  # each mode's objects and raw's
+    # each mode's objects, the raw twin kept for the reader and the one of the pair running
+    holder_bytes = (len(MODES) + 2) * total + (256 << 20)
     with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
         for label, block_major in LAYOUTS.items():
             same, prefixes = same_process(master.address, args.blocks, args.repeats, block_major)
             cross = cross_process(master.address, args.blocks, args.repeats, block_major, prefixes)
             cleaner = raw_client(master.address)  # room in the holder for the next layout
             left = [t.key for prefix in prefixes.values() for t in transfers(prefix, args.blocks)]
-            cleaner.batch_remove(left, True)
+            checked(cleaner.batch_remove(left, True), "remove")
             cleaner.close()
             print(f"\n{label}:")
-            report(same, cross, block_major, total, args.blocks)
+            report(same, cross, block_major, total)
     return 0
 
 

