@@ -315,3 +315,43 @@ def test_committed_keys_resume_with_current_local_ids_across_chunked_steps(
         assert load(reader, loads, mode).ok
     for slot, place in enumerate(places):
         assert target.block_bytes(place[0], slot) == expected[place]
+
+
+def test_a_step_ending_its_pins_leaves_another_step_reading_the_same_key_pinned(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two overlapping "layer" steps load one key (the pool keeps one get session per
+    client and key): the first to finish must not end the pin the other still reads
+    under, or that one's next read fails and pays a re-pin."""
+    prefix = unique_prefix()
+    source = Caches(num_blocks=8, seed=8)
+    source.fill()
+    [saved] = transfers({1: [2]}, "writer", prefix)
+    with engine_for(store, source, "group") as engine:
+        assert save(engine, [saved], "group").ok
+    statuses: list[Status] = []
+    get_ranges = store.get_ranges
+
+    def recorded(*args: Sequence[object]) -> list[Status]:
+        answer = get_ranges(*args)  # type: ignore[arg-type]
+        statuses.extend(answer)
+        return answer
+
+    monkeypatch.setattr(store, "get_ranges", recorded)
+    target = Caches(num_blocks=8)
+    with engine_for(store, target, "layer", prefetch_layers=0) as engine:
+        first = engine.begin_layerwise(loads=[BlockTransfer(saved.key, 1, 3, "a")])
+        second = engine.begin_layerwise(loads=[BlockTransfer(saved.key, 1, 5, "b")])
+        second.wait_layer_loaded(1)
+        for layer in range(NUM_LAYERS):
+            first.wait_layer_loaded(layer)
+        assert first.finish().ok
+        for layer in range(NUM_LAYERS):
+            second.wait_layer_loaded(layer)
+        assert second.finish().ok
+        assert len(engine._pins) == 0
+    assert statuses and set(statuses) == {Status.OK}
+    for local in (3, 5):
+        assert target.block_bytes(1, local) == source.block_bytes(1, 2)
+    if isinstance(store, MemoryStore):
+        assert store.open_get_sessions() == set()

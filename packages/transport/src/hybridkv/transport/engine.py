@@ -41,6 +41,7 @@ from hybridkv.transport.sessions import (
     group_batches,
 )
 from hybridkv.transport.staging import StagingPool
+from hybridkv.transport.pins import GetPins
 from hybridkv.transport.stale import StaleSessions
 from hybridkv.transport.store import Store
 
@@ -128,6 +129,7 @@ class TransferEngine:
         self._pressure = PoolPressure(self.options.full_pool_pause_s)
         self._ownership = Ownership()
         self._stale = StaleSessions(store)
+        self._pins = GetPins()
         self._tracker = RequestTracker()
         self._lock = threading.Lock()
         self._closed = False
@@ -185,6 +187,7 @@ class TransferEngine:
                 group_batches(self.layouts, transfers),
                 outcome,
                 self.staging,
+                pins=self._pins,
             )
             reads.ready = ready
 
@@ -413,6 +416,7 @@ class LayerwiseStep:
             group_batches(engine.layouts, loads),
             self._load_outcome,
             engine.staging,
+            pins=engine._pins,
         )
         self._reads.ready = ready
         self._loads = list(loads)

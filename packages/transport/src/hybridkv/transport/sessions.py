@@ -33,6 +33,7 @@ from hybridkv.transport.errors import Status, StoreClosed, StoreError, StoreUnav
 from hybridkv.transport.events import Event
 from hybridkv.transport.layout import BlockIds, GroupLayout, Ranges
 from hybridkv.transport.ownership import BlockTransfer
+from hybridkv.transport.pins import GetPins
 from hybridkv.transport.pipeline import PipelineOptions
 from hybridkv.transport.staging import Bytes, Slab, StagingPool, host_view
 from hybridkv.transport.stale import StaleSessions
@@ -876,6 +877,19 @@ class Reads(Transfers, ABC):
 
     ready: Event | None = None
 
+    def __init__(
+        self,
+        store: Store,
+        options: PipelineOptions,
+        batches: dict[int, GroupBatch],
+        outcome: Outcome,
+        pool: StagingPool | None = None,
+        *,
+        pins: GetPins,
+    ) -> None:
+        super().__init__(store, options, batches, outcome, pool)
+        self.pins = pins  # the client's get sessions, which other steps may hold too
+
     @cached_property
     def layers(self) -> list[int]:
         return sorted(self.scheduled_layers())
@@ -963,10 +977,12 @@ class RangedReads(Reads):
             # Any other error may come after some keys were pinned: `end` releases them
             # all rather than leave them leased until the master's lease expires.
             self._pinned = keys
+            self.pins.hold(keys)
             raise
         _log_failures("get_session_start", statuses)
         self.outcome.judged(keys, statuses)
         self._pinned = [key for key, status in zip(keys, statuses, strict=True) if status.ok]
+        self.pins.hold(self._pinned)
         pinned = set(self._pinned)
         self.fail(
             (batch, int(row))
@@ -1006,9 +1022,10 @@ class RangedReads(Reads):
         )
 
     def _repin(self, keys: list[str]) -> set[str]:
-        """Pin `keys` again; those pinned (the answer about the others is judged)."""
+        """Pin `keys` again (a start renews a pin in place, to the object the key now
+        names, without ending it under the other steps that hold it); those pinned (the
+        answer about the others is judged)."""
         try:
-            self.store.get_session_end(keys)
             statuses = self.store.get_session_start(keys)
         except StoreError as exc:
             log.warning("re-pinning %d keys failed: %s", len(keys), exc)
@@ -1019,16 +1036,17 @@ class RangedReads(Reads):
 
     def end(self) -> None:
         pinned, self._pinned = self._pinned, ()
-        if not pinned:
+        unheld = self.pins.release(pinned)
+        if not unheld:
             return
         try:
-            self.store.get_session_end(pinned)
+            self.store.get_session_end(unheld)
         except StoreError as exc:
             # Every read is in by now: the load stands, and the master drops the pins
             # when their lease lapses.
             log.warning(
                 "get_session_end of %d keys failed (their pins lapse with the lease): %s",
-                len(pinned), exc,
+                len(unheld), exc,
             )  # fmt: skip
 
 
