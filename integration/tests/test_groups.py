@@ -358,3 +358,36 @@ def test_weights_that_compute_other_kv_hash_every_block_apart(vllm_specs: Any) -
         hashes.append(request_hashes.for_group(32))
     assert hashes[0] == hashes[-1]
     assert len({block for blocks in hashes for block in blocks}) == 2 * len(configs)
+
+
+def _mla(specs: Any, head_size: int) -> Any:
+    import torch
+
+    return specs.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=head_size, dtype=torch.uint8
+    )
+
+
+def test_a_uniform_type_group_plans_as_its_first_layer_in_both_roles(vllm_specs: Any) -> None:
+    """DeepSeek-V3.2's latent and indexer keys share one group of uneven pages (vLLM's
+    UniformTypeKVCacheSpecs) in the workers' config; the scheduler's holds the first
+    layer's spec in its place. Both roles must plan it alike, or their keys differ."""
+    names = ["m.0.attn", "m.0.indexer", "m.1.attn", "m.1.indexer"]
+    members = {name: _mla(vllm_specs, 656 if name.endswith("attn") else 132) for name in names}
+    uniform = vllm_specs.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=members)
+    shape = ModelShape(tp_size=2, total_kv_heads=1)
+    worker = plan_groups(groups(vllm_specs, (names, uniform)), [0], shape)
+    scheduler = plan_groups(groups(vllm_specs, (names, members["m.0.attn"])), [0], shape)
+    assert worker.digest == scheduler.digest
+    assert [g.kind for g in worker.groups] == [FullAttention(64)]
+    assert worker.groups[0].heads.storing == 1  # the latent: once for every rank
+
+
+def test_a_uniform_type_group_whose_layers_store_differently_is_refused(
+    vllm_specs: Any,
+) -> None:
+    members = {"a": _mla(vllm_specs, 576), "b": attention(vllm_specs, block_size=64)}
+    uniform = vllm_specs.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=members)
+    shape = ModelShape(tp_size=2, total_kv_heads=2)
+    with pytest.raises(ValueError, match=r"group 0: UniformTypeKVCacheSpecs: layer b"):
+        plan_groups(groups(vllm_specs, (["a", "b"], uniform)), [0], shape)

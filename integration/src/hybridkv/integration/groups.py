@@ -185,6 +185,24 @@ def _register_vllm_specs() -> None:
         storing = 1 if spec.tp_replicated else shape.tp_size
         return RecurrentState(spec.block_size), signature, storing
 
+    @translator(specs.UniformTypeKVCacheSpecs)
+    def _uniform(spec: Any, shape: ModelShape) -> _Translation:
+        # One group of layers of one attention type with pages of different sizes (e.g.
+        # DeepSeek-V3.2's MLA latent and indexer keys). vLLM hands the scheduler the first
+        # member's spec in its place, so that one speaks for the group in both roles; each
+        # layer's own bytes come from its cache tensor.
+        translations = {
+            name: translate(member, shape) for name, member in spec.kv_cache_specs.items()
+        }
+        first = next(iter(translations.values()))
+        for name, (kind, _, storing) in translations.items():
+            if (kind, storing) != (first[0], first[2]):
+                raise ValueError(
+                    f"UniformTypeKVCacheSpecs: layer {name} is {kind} stored by {storing} "
+                    f"heads, the group's first layer {first[0]} stored by {first[2]}"
+                )
+        return first
+
     @translator(specs.RSWASpec)
     def _rswa(spec: Any, shape: ModelShape) -> _Translation:
         # A full-attention subclass whose generated tokens attend to a window of the others:
