@@ -9,6 +9,7 @@ packages are absent.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,7 @@ from conftest import require
 from fakes import FAKES_DIR, ascend_runtime, real_package_present
 from fakes.ascend_runtime import AttentionLayer, FakeAttnMetadata
 from fakes.npu import FakeNpuDevice, npu_namespace, torch_npu_module
-from layerwise_rig import ClientFailsReads, Rig, wait_until
+from layerwise_rig import ClientFailsReads, GatedStore, Rig, wait_until
 
 from hybridkv.integration.ascend import (
     GraphModeNotSupportedError,
@@ -232,6 +233,53 @@ def test_layerwise_loads_land_before_each_attention_op(model: AscendModel) -> No
     assert seen == {name: (50 + i) * block_bytes * len(BLOCKS) for i, name in enumerate(NAMES)}
 
 
+@pytest.mark.parametrize("num_prefills", [1, 0], ids=["with-prefill", "decodes-only"])
+def test_mla_attention_reads_its_loaded_blocks_in_a_batch_without_a_prefill(
+    npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch, num_prefills: int
+) -> None:
+    """vLLM-Ascend's MLA asks the connector for a layer's loads only when the batch holds a
+    prefill; a request whose pool hit leaves it a decode-sized query is not one. Its get
+    is held back: the attention op must still read the loaded blocks."""
+    from vllm_ascend.attention.mla_v1 import AscendMLAImpl
+
+    name = "model.layers.0.self_attn.mla_attn"
+    store = GatedStore()
+    rig = Rig(
+        store=store,
+        groups={0: (16, (0,))},
+        reporters={name: 0},
+        new_event=lambda: make_event("npu"),
+    )
+    mla = AscendMLAImpl()
+    context = {name: SimpleNamespace(impl=mla)}
+    plan = plan_vllm_layers(context, {name}, connector_windows=False)
+    layerwise = VllmLayerwise(rig.strategy, plan)
+    windows = install_ascend_windows(
+        rig.strategy, context, EAGER, load_gate=layerwise.wait_for_layer_load
+    )
+    monkeypatch.setattr(ascend_runtime, "connector", Connector(layerwise))
+    try:
+        layerwise.begin_step([], rig.transfers(BLOCKS))
+        mla.forward(name, None, rig.caches[0, 0], FakeAttnMetadata(BLOCKS, BLOCKS, fill=70))
+        layerwise.end_step()
+        npu.synchronize()
+        rig.caches[0, 0][:] = 0
+        store.get_gate.clear()
+        threading.Timer(0.3, store.get_gate.set).start()
+        layerwise.begin_step(rig.transfers(BLOCKS), [])
+        seen: dict[str, int] = {}
+        decode = FakeAttnMetadata([0], BLOCKS, fill=0, num_prefills=num_prefills, seen=seen)
+        mla.forward(name, None, rig.caches[0, 0], decode)
+        layerwise.end_step()
+        npu.synchronize()
+        block_bytes = rig.caches[0, 0].shape[1]
+        assert seen == {name: 70 * block_bytes * len(BLOCKS)}
+    finally:
+        store.get_gate.set()
+        windows.uninstall()
+        rig.close()
+
+
 def test_a_load_raising_in_a_window_fails_the_loads_not_the_forward(
     npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -263,7 +311,7 @@ def test_outside_a_step_the_patched_paths_run_unwindowed(
 def test_install_is_idempotent_and_uninstall_restores_every_original(
     npu: FakeNpuDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_ascend.attention import attention_v1, dsa_v1, sfa_v1
+    from vllm_ascend.attention import attention_v1, dsa_v1, mla_v1, sfa_v1
     from vllm_ascend.device.device_op import BaseDeviceAdaptor
 
     originals = {
@@ -271,6 +319,7 @@ def test_install_is_idempotent_and_uninstall_restores_every_original(
         (sfa_v1.AscendSFAImpl, "_execute_sparse_flash_attention_process"),
         (dsa_v1.AscendDSAImpl, "_forward_attention"),
         (BaseDeviceAdaptor, "get_dsa_sparse_attn_op"),
+        (mla_v1.AscendMLAImpl, "forward"),
     }
     before = {(owner, name): owner.__dict__[name] for owner, name in originals}
     model = AscendModel(CpuEvent, monkeypatch)

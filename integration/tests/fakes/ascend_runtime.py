@@ -33,6 +33,7 @@ class FakeAttnMetadata:
     read_blocks: list[int]
     fill: int
     attn_state: str = "PrefillNoCache"
+    num_prefills: int = 1  # requests vLLM-Ascend counts as prefills (short queries: decodes)
     seen: dict[str, int] = field(default_factory=dict)  # layer -> checksum the kernel read
 
 

@@ -359,7 +359,11 @@ def build_vllm_layerwise(
         from hybridkv.integration.ascend import install_ascend_windows
 
         windows = install_ascend_windows(
-            strategy, static_forward_context, vllm_config, window=layerwise.window
+            strategy,
+            static_forward_context,
+            vllm_config,
+            window=layerwise.window,
+            load_gate=layerwise.wait_for_layer_load,
         )
         layerwise._uninstall.append(windows.uninstall)
     layerwise.install_state_hooks(static_forward_context)

@@ -15,7 +15,12 @@ attention fence (`record_attention_compute_start`):
   cache updates, before the sparse attention op).
 
 Paths without a window (MLA, C8 quantized attention) still save correctly: their put goes
-out from `save_kv_layer`, after the kernel. Patching is idempotent and reversible, and only
+out from `save_kv_layer`, after the kernel. MLA's `AscendMLAImpl.forward` asks the
+connector for the layer's loads only when the batch holds a prefill, and vLLM-Ascend counts
+a short query as a decode: a request whose pool hit leaves it one token (or one plus the
+speculative ones) to compute is not a prefill, and its attention would read blocks still
+being fetched. So that method waits for the layer's loads on entry (a load gate; a second
+wait for the same layer returns at once). Patching is idempotent and reversible, and only
 eager mode is accepted until graph capture is validated on NPU hardware.
 """
 
@@ -33,6 +38,8 @@ from hybridkv.integration.window import LayerwiseStrategy
 
 # Opens the window of one attention layer around its op.
 Window = Callable[[str], AbstractContextManager[None]]
+# Returns once one attention layer's loads of the step are in its cache.
+LoadGate = Callable[[str], None]
 
 
 class GraphModeNotSupportedError(RuntimeError):
@@ -54,6 +61,8 @@ class _Installation(Protocol):
 
     def window_for(self, name: str | None) -> Any: ...
 
+    def wait_for_loads(self, name: str) -> None: ...
+
     def layer_name_of(self, impl: object) -> str | None: ...
 
     @property
@@ -69,7 +78,7 @@ class WindowTarget:
     module: str
     owner: str
     method: str
-    kind: str  # "kernel" | "layer_scope" | "op_factory"
+    kind: str  # "kernel" | "layer_scope" | "op_factory" | "load_gate"
 
     def resolve(self) -> type | None:
         """The class to patch; None when this vLLM-Ascend has no such module at all."""
@@ -134,10 +143,23 @@ def _op_factory(original: Callable[..., Any], installation: _Installation) -> Ca
     return factory
 
 
+def _load_gate(original: Callable[..., Any], installation: _Installation) -> Callable[..., Any]:
+    """A layer method that may reach its attention op without asking the connector for the
+    layer's loads first waits for them."""
+
+    @functools.wraps(original)
+    def gated(self: object, layer_name: str, *args: Any, **kwargs: Any) -> Any:
+        installation.wait_for_loads(layer_name)
+        return original(self, layer_name, *args, **kwargs)
+
+    return gated
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any], _Installation], Callable[..., Any]]] = {
     "kernel": _kernel,
     "layer_scope": _layer_scope,
     "op_factory": _op_factory,
+    "load_gate": _load_gate,
 }
 
 ASCEND_WINDOW_TARGETS: tuple[WindowTarget, ...] = (
@@ -149,6 +171,7 @@ ASCEND_WINDOW_TARGETS: tuple[WindowTarget, ...] = (
                  "layer_scope"),
     WindowTarget("vllm_ascend.attention.dsa_v1", "DeviceOperator", "get_dsa_sparse_attn_op",
                  "op_factory"),
+    WindowTarget("vllm_ascend.attention.mla_v1", "AscendMLAImpl", "forward", "load_gate"),
 )  # fmt: skip
 
 _MISSING = object()
@@ -164,9 +187,11 @@ class AscendWindows:
         strategy: LayerwiseStrategy,
         impl_names: Mapping[int, str],
         window: Window | None = None,
+        load_gate: LoadGate | None = None,
     ) -> None:
         self.strategy = strategy
         self._window = window or strategy.window
+        self._load_gate = load_gate or strategy.wait_for_layer_load
         self._impl_names = dict(impl_names)
         self._originals: list[tuple[type, str, object]] = []
         self._dsa = threading.local()
@@ -176,6 +201,12 @@ class AscendWindows:
         if name is None or not self.strategy.active or not self.strategy.reports(name):
             return nullcontext()
         return self._window(name)
+
+    def wait_for_loads(self, name: str) -> None:
+        """The layer's loads in its cache; nothing outside a step or for a layer that never
+        reports."""
+        if self.strategy.active and self.strategy.reports(name):
+            self._load_gate(name)
 
     def layer_name_of(self, impl: object) -> str | None:
         name = getattr(impl, "layer_name", None)
@@ -237,10 +268,13 @@ def install_ascend_windows(
     vllm_config: Any,
     targets: tuple[WindowTarget, ...] = ASCEND_WINDOW_TARGETS,
     window: Window | None = None,
+    load_gate: LoadGate | None = None,
 ) -> AscendWindows:
     """Patch vLLM-Ascend's attention paths to run inside `strategy`'s windows (opened by
     `window(name)`, `strategy.window` by default: the worker passes its `VllmLayerwise`'s,
-    through which an error of ours never stops the forward).
+    through which an error of ours never stops the forward) and behind its load gates
+    (`load_gate(name)`, `strategy.wait_for_layer_load` by default; the worker passes its
+    connector hook).
 
     Installing again for the same strategy returns the live installation; a different
     strategy must uninstall the first (the patches are process-wide class attributes).
@@ -260,7 +294,7 @@ def install_ascend_windows(
             for name, module in static_forward_context.items()
             if getattr(module, "impl", None) is not None
         }
-        installation = AscendWindows(strategy, impl_names, window)
+        installation = AscendWindows(strategy, impl_names, window, load_gate)
         installation._patch(targets)
         _installed = installation
         return installation
