@@ -345,12 +345,40 @@ def test_graph_mode_is_refused_with_the_switch_to_use() -> None:
 
 def test_npu_events_come_from_the_transport_with_the_fake_torch_npu(npu: FakeNpuDevice) -> None:
     event = make_event("npu:0")
+    waiter = threading.Thread(target=event.synchronize)
     with npu.held():
-        npu.launch(lambda: None)
+        position = npu.launch(lambda: None)
         event.record()
-        assert not event.query()  # type: ignore[attr-defined]
-    event.synchronize()
-    assert event.query()  # type: ignore[attr-defined]
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # the kernel has not run: the wait holds
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert npu.passed(position)
+
+
+def test_an_npu_event_is_waited_for_on_its_own_device_from_any_thread(
+    npu: FakeNpuDevice,
+) -> None:
+    """NPU contexts are per thread: the transfer threads, which never chose a device,
+    wait for an event of the worker's device (here npu:1) on that device."""
+    import torch
+
+    torch.npu.set_device(1)  # type: ignore[attr-defined]
+    event = make_event("npu")
+    event.record()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            event.synchronize()
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(10)
+    assert errors == []
 
 
 assert np.uint8  # numpy is what the fake caches are made of

@@ -3,7 +3,9 @@
 It models what matters to the window: the host queues kernels and returns at once; the
 device runs them later, in order; `torch.npu.Event.record()` marks the stream position and
 `synchronize()` blocks the host until the device has passed it. `hold()` stops the device
-so a test can prove that a transfer waits for the event rather than for luck.
+so a test can prove that a transfer waits for the event rather than for luck. The current
+device is per thread (0 until `set_device`), as an NPU context is, and an event's wait
+fails on a thread whose current device is not the event's.
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ class FakeNpuDevice:
 def npu_namespace(device: FakeNpuDevice) -> types.ModuleType:
     """What `import torch_npu` adds as `torch.npu`, reduced to streams and events."""
     npu = types.ModuleType("torch.npu")
+    current = threading.local()
+
+    def current_device() -> int:
+        index: int = getattr(current, "index", 0)
+        return index
+
+    def set_device(index: int) -> None:
+        current.index = index
 
     class Stream:
         def synchronize(self) -> None:
@@ -101,11 +111,16 @@ def npu_namespace(device: FakeNpuDevice) -> types.ModuleType:
             self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
         ) -> None:
             self._position: int | None = None
+            self._device = current_device()
 
         def record(self, stream: Stream | None = None) -> None:
             self._position = device.position
 
         def synchronize(self) -> None:
+            if current_device() != self._device:
+                raise RuntimeError(
+                    f"event of npu:{self._device} waited for on npu:{current_device()}"
+                )
             if self._position is not None:
                 device.wait_until(self._position)
 
@@ -117,6 +132,8 @@ def npu_namespace(device: FakeNpuDevice) -> types.ModuleType:
     npu.current_stream = lambda device_index=None: stream  # type: ignore[attr-defined]
     npu.synchronize = lambda device_index=None: device.synchronize()  # type: ignore[attr-defined]
     npu.is_available = lambda: True  # type: ignore[attr-defined]
+    npu.current_device = current_device  # type: ignore[attr-defined]
+    npu.set_device = set_device  # type: ignore[attr-defined]
     return npu
 
 

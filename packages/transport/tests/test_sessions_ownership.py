@@ -350,7 +350,8 @@ def test_a_step_ending_its_pins_leaves_another_step_reading_the_same_key_pinned(
             second.wait_layer_loaded(layer)
         assert second.finish().ok
         assert len(engine._pins) == 0
-    assert statuses and set(statuses) == {Status.OK}
+    assert statuses
+    assert set(statuses) == {Status.OK}
     for local in (3, 5):
         assert target.block_bytes(1, local) == source.block_bytes(1, 2)
     if isinstance(store, MemoryStore):

@@ -25,6 +25,7 @@ from hybridkv.transport.ownership import (
     Ownership,
     RequestTracker,
 )
+from hybridkv.transport.pins import GetPins
 from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, PoolPressure, Worker
 from hybridkv.transport.sessions import (
     LayerwiseStagedReads,
@@ -41,7 +42,6 @@ from hybridkv.transport.sessions import (
     group_batches,
 )
 from hybridkv.transport.staging import StagingPool
-from hybridkv.transport.pins import GetPins
 from hybridkv.transport.stale import StaleSessions
 from hybridkv.transport.store import Store
 

@@ -39,16 +39,32 @@ def _cuda_event() -> Event:
     return event
 
 
-def _npu_event() -> Event:
-    importlib.import_module("torch_npu")  # registers the torch.npu namespace
-    event: Event = importlib.import_module("torch").npu.Event()
-    return event
+class NpuEvent:
+    """A `torch.npu.Event` waited for on the device of the thread that made it.
+
+    An NPU context is per thread: a transfer thread that never chose a device would wait
+    in device 0's (vLLM-Ascend's own transfer threads set theirs first), so a wait first
+    makes the event's device current on the waiting thread."""
+
+    def __init__(self) -> None:
+        importlib.import_module("torch_npu")  # registers the torch.npu namespace
+        self._npu = importlib.import_module("torch").npu
+        self._device = self._npu.current_device()
+        self._event = self._npu.Event()
+
+    def record(self) -> None:
+        self._event.record()
+
+    def synchronize(self) -> None:
+        if self._npu.current_device() != self._device:
+            self._npu.set_device(self._device)
+        self._event.synchronize()
 
 
 _EVENT_FACTORIES: dict[str, Callable[[], Event]] = {
     "cpu": CpuEvent,
     "cuda": _cuda_event,
-    "npu": _npu_event,
+    "npu": NpuEvent,
 }
 
 
