@@ -110,8 +110,16 @@ def test_layout_entries_from_tensors() -> None:
     assert [e.name for e in split] == ["kv#k", "kv#v"]
     with pytest.raises(ValueError, match="num_blocks first"):
         tensor_entries(3, "bad", torch.zeros(3, 5), NUM_BLOCKS)
-    with pytest.raises(ValueError, match="splits each block into 2"):  # kernel blocks
-        tensor_entries(3, "split", torch.zeros(2 * NUM_BLOCKS, 5), NUM_BLOCKS)
+    # Kernel blocks (vLLM-Ascend's hybrid models: 128-token ones, block b being kernel
+    # blocks b*r .. b*r+r-1): a block is its r kernel blocks, one run.
+    kernel = torch.zeros(5 * NUM_BLOCKS, 128, 2, 64, dtype=torch.bfloat16)
+    k, v = tensor_entries(3, "split", (kernel, kernel.clone()), NUM_BLOCKS)
+    assert (k.block_bytes, k.block_stride) == (5 * 128 * 2 * 64 * 2, 5 * 128 * 2 * 64 * 2)
+    assert (k.name, v.name, v.num_blocks) == ("split#0", "split#1", NUM_BLOCKS)
+    (kv_k, _) = tensor_entries(3, "kv", torch.zeros(2, 2 * NUM_BLOCKS, 8), NUM_BLOCKS)
+    assert (kv_k.name, kv_k.block_bytes) == ("kv#k", 2 * 8 * 4)
+    with pytest.raises(ValueError, match="not one run of memory"):  # kernel blocks apart
+        tensor_entries(3, "apart", torch.zeros(2 * NUM_BLOCKS, 8)[:, :4], NUM_BLOCKS)
     # A block whose axes are permuted in memory (vLLM's LBNHC) is still one run...
     (permuted,) = tensor_entries(4, "p", torch.zeros(NUM_BLOCKS, 4, 2).transpose(1, 2), NUM_BLOCKS)
     assert (permuted.block_bytes, permuted.block_stride) == (32, 32)

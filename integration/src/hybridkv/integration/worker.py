@@ -44,6 +44,10 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
     `[num_blocks, ...]`: one entry per tensor (attention on CPU, Mamba/conv state pages).
     `[2, num_blocks, ...]`: separate K and V entries (FlashAttention-style layouts).
     A list or tuple (several state tensors of one Mamba layer) gives one entry each.
+    A backend that splits each block into `r` kernel blocks (vLLM-Ascend for hybrid
+    models: 128-token kernel blocks) has `num_blocks * r` rows where `num_blocks` are
+    expected; block `b` is kernel blocks `b*r` to `b*r + r - 1` (vLLM's and vLLM-Ascend's
+    block tables map them so), moved together as one run when they lie back to back.
     """
     if isinstance(tensor, list | tuple):
         return [
@@ -52,21 +56,15 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
             for entry in tensor_entries(layer, f"{name}#{index}", part, num_blocks)
         ]
     shape = tuple(tensor.shape)
-    if shape and shape[0] == num_blocks:
-        parts = [(name, tensor)]
-    elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-        parts = [(f"{name}#k", tensor[0]), (f"{name}#v", tensor[1])]
-    elif shape and shape[0] > num_blocks and shape[0] % num_blocks == 0:
-        raise ValueError(
-            f"KV cache tensor of {name} has {shape[0]} kernel blocks for {num_blocks} "
-            f"blocks: the attention backend splits each block into {shape[0] // num_blocks}, "
-            "which HybridKVConnector does not store; choose a --block-size the backend "
-            "takes whole (its kernel block sizes)"
-        )
+    whole = _by_block(tensor, num_blocks)
+    if whole is not None:
+        parts = [(name, whole)]
+    elif len(shape) >= 2 and shape[0] == 2 and _by_block(tensor[0], num_blocks) is not None:
+        parts = [(f"{name}#{kv}", _by_block(tensor[i], num_blocks)) for i, kv in enumerate("kv")]
     else:
         raise ValueError(
             f"KV cache tensor of {name} has shape {shape}: expected [{num_blocks}, ...] or "
-            f"[2, {num_blocks}, ...] (num_blocks first)"
+            f"[2, {num_blocks}, ...] (num_blocks first, or a multiple of it: kernel blocks)"
         )
     entries = []
     for part_name, part in parts:
@@ -87,6 +85,16 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
             )
         )
     return entries
+
+
+def _by_block(tensor: Any, num_blocks: int) -> Any:
+    """`tensor` with one row per block (kernel blocks grouped by block), or None."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if rows == num_blocks:
+        return tensor
+    if rows > num_blocks and rows % num_blocks == 0:
+        return tensor.unflatten(0, (num_blocks, rows // num_blocks))
+    return None
 
 
 def _one_run(block: Any) -> bool:
