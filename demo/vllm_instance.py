@@ -18,6 +18,7 @@ import contextlib
 import gc
 import importlib
 import json
+import math
 import os
 import re
 import signal
@@ -119,7 +120,8 @@ def write_pool_config(path: Path, master_address: str, local_buffer_size: int = 
 
 
 def logprob_gap(a: PromptResult, b: PromptResult) -> float:
-    """Largest logprob difference over tokens both runs report (inf if tokens differ)."""
+    """Largest logprob difference over tokens both runs report (inf if tokens differ, or
+    either run has a NaN logprob)."""
     if a.token_ids != b.token_ids:
         return float("inf")
     gap = 0.0
@@ -128,7 +130,11 @@ def logprob_gap(a: PromptResult, b: PromptResult) -> float:
         if set(dict(position_a)) != set(other):
             return float("inf")
         for token, logprob in position_a:
-            gap = max(gap, abs(logprob - other[token]))
+            # equal covers -inf in both; NaN in either differs from everything
+            difference = 0.0 if logprob == other[token] else abs(logprob - other[token])
+            if math.isnan(difference):
+                return float("inf")
+            gap = max(gap, difference)
     return gap
 
 
@@ -281,8 +287,9 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=step.max_tokens, logprobs=step.logprobs)
-    if step.reset_prefix_cache:
-        llm.reset_prefix_cache()
+    # Refused while blocks are held: the request would then hit vLLM's own cache.
+    if step.reset_prefix_cache and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to empty its prefix cache")
     if step.transfer_totals:
         _transfer_totals()
     hits_before = _external_hits(llm)

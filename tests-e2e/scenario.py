@@ -154,10 +154,16 @@ def assert_hit_like_cold(got: PromptResult, cold: PromptResult, hit: int) -> Non
     assert logprob_gap(got, cold) <= LOGPROB_TOLERANCE
 
 
+def changed(got: PromptResult, cold: PromptResult) -> bool:
+    """`got` computed as many tokens as `cold` did (a request ended by a failed load has
+    fewer, and would pass for changed) and differs from it by more than CHANGED."""
+    return len(got.token_ids) == len(cold.token_ids) and logprob_gap(got, cold) > CHANGED
+
+
 def assert_hit_but_changed(got: PromptResult, cold: PromptResult, hit: int) -> None:
     """`got` hit `hit` tokens in the pool, whose corrupted bytes then changed its output."""
     assert got.external_hit_tokens == hit
-    assert logprob_gap(got, cold) > CHANGED
+    assert changed(got, cold)
 
 
 def object_size(master_http: str, key: str) -> int:

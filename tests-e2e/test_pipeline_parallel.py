@@ -112,6 +112,7 @@ def test_each_stage_stores_every_block_of_its_groups(
         by_stage.setdefault(key.pp_rank, set()).add((key.group, key.block_hash))
     assert set(by_stage) == {0, 1}
     assert by_stage[0] == by_stage[1]  # the same blocks of the same groups, one per stage
+    assert {group for group, _ in by_stage[0]} == ({0} if model == "llama" else {0, 1})
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -39,7 +39,7 @@ from api_server import (
     served,
 )
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
-from vllm_instance import write_pool_config
+from vllm_instance import list_pool_keys, write_pool_config
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -59,6 +59,7 @@ class PoolLost:
     stored: list[Phase]  # server A, the pool whole
     holder_lost: Phase  # server B, the first prompt, its holder killed
     asked_again: Phase  # server B, the first prompt again, after a local cache reset
+    listed_when_asked_again: int  # keys the master listed then
     master_lost: Phase  # server B, the second prompt, its master killed too
 
 
@@ -87,15 +88,19 @@ def pool_lost(
     with SegmentHolder.start(master.address, 256 << 20, log_path=holder_log) as holder:
         with served(model, env, runs_dir / "lost-writer.log") as writer:
             stored = [_ask(writer, prompt) for prompt in PROMPTS]
-        with served(model, env, runs_dir / "lost-reader.log") as reader:
+        # A quarantine far longer than the test: on a slow machine the default 30 s could
+        # lapse before the prompt is asked again.
+        quarantine = {"failed_load_quarantine_s": 600}
+        with served(model, env, runs_dir / "lost-reader.log", extra=quarantine) as reader:
             holder.kill()
             holder_lost = _ask(reader, PROMPTS[0])
             reader.reset_prefix_cache()
+            listed = len(list_pool_keys(f"{master.host}:{master.metrics_port}"))
             asked_again = _ask(reader, PROMPTS[0])
             master.kill()
             master_lost = _ask(reader, PROMPTS[1])
             reader.get("/health")  # raises unless the server still says it is healthy
-            return PoolLost(stored, holder_lost, asked_again, master_lost)
+            return PoolLost(stored, holder_lost, asked_again, listed, master_lost)
 
 
 def test_the_writer_stored_both_prompts(pool_lost: PoolLost) -> None:
@@ -115,7 +120,9 @@ def test_loads_from_a_dead_holder_are_recomputed_exactly(pool_lost: PoolLost) ->
 
 def test_objects_that_failed_to_load_are_not_offered_again(pool_lost: PoolLost) -> None:
     phase = pool_lost.asked_again
+    assert pool_lost.listed_when_asked_again > 0
     assert phase.counters[EXTERNAL_HITS] == 0  # listed by the master, but quarantined
+    assert phase.counters[FAILED_LOOKUPS] == 0  # the lookup was answered
     assert phase.counters[FAILED_LOADS] == 0
     assert phase.answer["logprobs"] == pool_lost.stored[0].answer["logprobs"]
 

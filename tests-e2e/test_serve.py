@@ -24,6 +24,7 @@ import pytest
 import tinymodels
 from api_server import (
     EXTERNAL_HITS,
+    FAILED_LOADS,
     HYBRIDKV_HITS,
     HYBRIDKV_LOADED,
     MODEL,
@@ -67,6 +68,9 @@ def test_second_server_loads_what_the_first_stored(served_twice: tuple[Served, S
     (_, writer), (_, reader) = served_twice
     assert writer[EXTERNAL_HITS] == 0
     assert reader[EXTERNAL_HITS] == EXPECTED_HIT
+    # the servers recompute a failed load (kv_load_failure_policy "recompute"): only this
+    # tells that the answer below was computed on the pool's KV
+    assert reader[FAILED_LOADS] == 0
 
 
 def test_hybridkv_counters_are_on_the_servers_metrics(served_twice: tuple[Served, Served]) -> None:
@@ -128,5 +132,6 @@ def test_a_data_parallel_engine_loads_what_the_other_stored(
     (first, stored), (second, loaded), left = data_parallel
     assert stored[EXTERNAL_HITS] == 0
     assert loaded[EXTERNAL_HITS] == loaded[HYBRIDKV_HITS] == DP_EXPECTED_HIT
+    assert loaded[FAILED_LOADS] == 0  # not recomputed
     assert second["logprobs"] == first["logprobs"]
     assert left == []
