@@ -195,7 +195,7 @@ def test_a_revoke_whose_client_raises_leaves_its_keys_failed_remembered_and_reus
         unreadable = {key for key, ok in zip(keys, readable, strict=True) if not ok}
         assert broken.key in failed
         assert sorted(failed) == sorted(unreadable)  # each once
-        assert store.open_put_sessions() == engine._stale._keys
+        assert store.open_put_sessions() == engine._client.stale._keys
         assert broken.key in store.open_put_sessions()
         monkeypatch.undo()
         assert save(engine, saves, "layer").ok
@@ -237,7 +237,7 @@ def test_a_close_whose_teardown_raises_still_frees_staging_and_unregisters() -> 
     assert save(engine, saves, "staged").ok
     unregistered: list[int] = []
     store.unregister_buffer = unregistered.append  # type: ignore[method-assign]
-    engine._stale.revoke_all = functools.partial(_revoke_raises, [])  # type: ignore[method-assign]
+    engine._client.stale.revoke_all = functools.partial(_revoke_raises, [])  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="client error in revoke"):
         engine.close()
     assert engine.staging is not None

@@ -349,7 +349,7 @@ def test_a_step_ending_its_pins_leaves_another_step_reading_the_same_key_pinned(
         for layer in range(NUM_LAYERS):
             second.wait_layer_loaded(layer)
         assert second.finish().ok
-        assert len(engine._pins) == 0
+        assert len(engine._client.pins) == 0
     assert statuses
     assert set(statuses) == {Status.OK}
     for local in (3, 5):

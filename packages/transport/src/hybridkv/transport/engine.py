@@ -28,6 +28,7 @@ from hybridkv.transport.ownership import (
 from hybridkv.transport.pins import GetPins
 from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, PoolPressure, Worker
 from hybridkv.transport.sessions import (
+    ClientSessions,
     LayerwiseStagedReads,
     Outcome,
     RangedReads,
@@ -128,8 +129,7 @@ class TransferEngine:
         self.backlog = Backlog(self.options.backlog)
         self._pressure = PoolPressure(self.options.full_pool_pause_s)
         self._ownership = Ownership()
-        self._stale = StaleSessions(store)
-        self._pins = GetPins()
+        self._client = ClientSessions(StaleSessions(store), GetPins())
         self._tracker = RequestTracker()
         self._lock = threading.Lock()
         self._closed = False
@@ -155,7 +155,7 @@ class TransferEngine:
                 group_batches(self.layouts, claim.write),
                 outcome,
                 self.staging,
-                stale=self._stale,
+                client=self._client,
             )
 
             def work() -> None:
@@ -187,7 +187,7 @@ class TransferEngine:
                 group_batches(self.layouts, transfers),
                 outcome,
                 self.staging,
-                pins=self._pins,
+                client=self._client,
             )
             reads.ready = ready
 
@@ -270,7 +270,7 @@ class TransferEngine:
                     log.exception("layerwise step failed while the engine closed")
             self._sender.close()
             self._receiver.close()
-            self._stale.revoke_all()
+            self._client.stale.revoke_all()
         finally:
             try:  # whatever raised, once no thread of ours may touch it: the caller frees it
                 if self._sender.alive or self._receiver.alive:
@@ -416,7 +416,7 @@ class LayerwiseStep:
             group_batches(engine.layouts, loads),
             self._load_outcome,
             engine.staging,
-            pins=engine._pins,
+            client=engine._client,
         )
         self._reads.ready = ready
         self._loads = list(loads)
@@ -427,7 +427,7 @@ class LayerwiseStep:
             group_batches(engine.layouts, self._claim.write),
             self._save_outcome,
             engine.staging,
-            stale=engine._stale,
+            client=engine._client,
         )
         self._save_layers = self._writes.layers
         self._group_layers = self._writes.group_layers()

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from functools import cached_property
 
 import msgspec
@@ -408,6 +409,16 @@ def finer(parts: Sequence[slice], nbytes: Sequence[int]) -> list[slice]:
     return cut
 
 
+@dataclass(frozen=True)
+class ClientSessions:
+    """What the steps of one store client share: put sessions a revoke may have left open
+    (revoked again before their keys are reused) and get-session pins (counted, since the
+    pool keeps one per client and key)."""
+
+    stale: StaleSessions
+    pins: GetPins
+
+
 class Transfers:
     """Shared plumbing of every session kind: issuing split calls and recording fates."""
 
@@ -418,12 +429,15 @@ class Transfers:
         batches: dict[int, GroupBatch],
         outcome: Outcome,
         pool: StagingPool | None = None,
+        *,
+        client: ClientSessions,
     ) -> None:
         self.store = store
         self.options = options
         self.batches = batches
         self.outcome = outcome
         self.pool = pool
+        self.client = client
 
     def stage(
         self, batches: Iterable[GroupBatch] | None = None, first: dict[int, int] | None = None
@@ -609,10 +623,9 @@ class Writes(Transfers, ABC):
         outcome: Outcome,
         pool: StagingPool | None = None,
         *,
-        stale: StaleSessions,
+        client: ClientSessions,
     ) -> None:
-        super().__init__(store, options, batches, outcome, pool)
-        self.stale = stale
+        super().__init__(store, options, batches, outcome, pool, client=client)
         self._missing = {group: set(batch.layout.layers) for group, batch in batches.items()}
         self.committed: set[str] = set()
         # Ranged sessions, per group: rows whose session start said EXISTS (another client's
@@ -647,7 +660,7 @@ class Writes(Transfers, ABC):
         for batch in self.batches.values():
             present = np.fromiter(readable, dtype=bool, count=len(batch.keys))
             self._skip(batch, np.flatnonzero(present))
-        self.stale.revoke_again(
+        self.client.stale.revoke_again(
             key for batch in self.batches.values() for key in batch.keys_of(batch.live())
         )
         self.open()
@@ -825,7 +838,7 @@ class RangedWrites(Writes):
         ]
 
     def _revoke(self, keys: list[str]) -> None:
-        self.stale.revoke(keys)
+        self.client.stale.revoke(keys)
 
 
 class WholeWrites(Writes):
@@ -876,19 +889,6 @@ class Reads(Transfers, ABC):
     """
 
     ready: Event | None = None
-
-    def __init__(
-        self,
-        store: Store,
-        options: PipelineOptions,
-        batches: dict[int, GroupBatch],
-        outcome: Outcome,
-        pool: StagingPool | None = None,
-        *,
-        pins: GetPins,
-    ) -> None:
-        super().__init__(store, options, batches, outcome, pool)
-        self.pins = pins  # the client's get sessions, which other steps may hold too
 
     @cached_property
     def layers(self) -> list[int]:
@@ -977,12 +977,12 @@ class RangedReads(Reads):
             # Any other error may come after some keys were pinned: `end` releases them
             # all rather than leave them leased until the master's lease expires.
             self._pinned = keys
-            self.pins.hold(keys)
+            self.client.pins.hold(keys)
             raise
         _log_failures("get_session_start", statuses)
         self.outcome.judged(keys, statuses)
         self._pinned = [key for key, status in zip(keys, statuses, strict=True) if status.ok]
-        self.pins.hold(self._pinned)
+        self.client.pins.hold(self._pinned)
         pinned = set(self._pinned)
         self.fail(
             (batch, int(row))
@@ -1036,7 +1036,7 @@ class RangedReads(Reads):
 
     def end(self) -> None:
         pinned, self._pinned = self._pinned, ()
-        unheld = self.pins.release(pinned)
+        unheld = self.client.pins.release(pinned)
         if not unheld:
             return
         try:
