@@ -67,7 +67,9 @@ class Ticket:
     """A transfer running in the background; `wait()` returns its result or raises.
 
     Saves that ride on another transfer's write of the same key complete when that write
-    settles, and carry its failure.
+    settles, and carry its failure: one riding on an open layerwise step's write waits
+    for that step's `finish()`, so the thread that finishes the step must not wait for
+    the ticket first (the integration never mixes whole saves with open steps).
     """
 
     def __init__(self, jobs: Sequence[Job], outcomes: Sequence[Outcome]) -> None:
