@@ -13,7 +13,9 @@ reader loads layer by layer. Two shapes:
 The negative control corrupts only the objects of the second rank's head: the reader's
 output must change, so that rank does load its own objects (had it loaded the first
 rank's, or nothing, the clean prompt would not match either). A TP=1 instance must find
-nothing a TP=2 instance wrote: the layout digest keeps them apart.
+nothing a TP=2 instance wrote: the layout digest keeps them apart; asked the clean prompt
+again, it finds what it stored itself (so its misses are not those of a connector that
+never hits).
 
 Without `MOONCAKE_CONFIG_PATH` rank 0 starts an embedded master and hands its address to
 rank 1 over vLLM's tensor-parallel group: one such instance reloads its own prompt from it
@@ -65,6 +67,7 @@ class TensorParallelRun:
     reader: dict[str, PromptResult]
     cold: dict[str, PromptResult]
     single_rank_hits: dict[str, int]  # a TP=1 reader of the same namespace
+    single_rank_own_hit: int  # the same TP=1 instance, the clean prompt again
 
 
 def _instance(
@@ -112,8 +115,9 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
     everything = [Step(prompts=list(PROMPTS.values()))]
     read = run_instance(spec(everything, READER), runs, f"tp-{shape}-reader", env)
     cold = run_instance(spec(everything, None), runs, f"tp-{shape}-cold", env)
+    again = Step(prompts=[PROMPTS["clean"]])
     single = run_instance(
-        spec(everything, READER, ranks=1),
+        spec([*everything, again], READER, ranks=1),
         runs,
         f"tp-{shape}-single-rank",
         {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
@@ -126,6 +130,7 @@ def _run(pool: Pool, models: Path, runs: Path, shape: str) -> TensorParallelRun:
             name: result.external_hit_tokens
             for name, result in zip(PROMPTS, single.steps[0].prompts, strict=True)
         },
+        single_rank_own_hit=single.steps[1].prompts[0].external_hit_tokens,
     )
 
 
@@ -181,7 +186,9 @@ def test_replicated_head_is_stored_once_and_sharded_state_by_each_rank(
 def test_single_rank_instance_finds_nothing_of_two_ranks(
     runs: dict[str, TensorParallelRun | Exception], shape: str
 ) -> None:
-    assert outcome(runs, shape).single_rank_hits == dict.fromkeys(PROMPTS, 0)
+    run = outcome(runs, shape)
+    assert run.single_rank_hits == dict.fromkeys(PROMPTS, 0)
+    assert run.single_rank_own_hit == EXPECTED_HITS["clean"]
 
 
 @dataclass
