@@ -285,7 +285,8 @@ def read_all(
     another process wrote; checks bytes and raises on any failed key."""
     expected = Caches(blocks, seed=1, block_major=block_major)
     target = Caches(blocks, seed=None, block_major=block_major)
-    flat = np.zeros_like(expected.objects())
+    want = expected.objects()
+    flat = np.zeros_like(want)
     client = raw_client(master)
     client.register_buffer(flat.ctypes.data, flat.nbytes)
     store = connect(master)
@@ -300,7 +301,7 @@ def read_all(
         flat[:] = 0
         seconds, codes = timed(client.batch_get_into, keys, ptrs, sizes)
         checked(codes, "raw get")
-        if not np.array_equal(flat, expected.objects()):
+        if not np.array_equal(flat, want):
             raise RuntimeError("raw get returned wrong bytes")
         return seconds
 
@@ -396,13 +397,14 @@ def same_process(
                     swap,
                 )
                 samples[mode].append(ours + raw_times)
-                done = {prefix: [t.key for t in saves]}
-                done[raw_prefix] = raw_args(source, flat, raw_prefix)[0]
                 if repeat == repeats:  # the reader's: one raw twin and every mode
                     kept[mode] = prefix
                     kept.setdefault("raw", raw_prefix)
-                for left in set(done) - set(kept.values()):
-                    checked(client.batch_remove(done[left], True), "remove")
+                # raw keys are named as the transport's (`raw_args`, `transfers`)
+                gone = [p for p in (prefix, raw_prefix) if p not in kept.values()]
+                if gone:
+                    removed = [t.key for p in gone for t in transfers(p, blocks)]
+                    checked(client.batch_remove(removed, True), "remove")
     finally:
         for writer, reader in engines.values():
             writer.close()

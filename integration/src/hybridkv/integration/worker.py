@@ -59,8 +59,10 @@ def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[
     whole = _by_block(tensor, num_blocks)
     if whole is not None:
         parts = [(name, whole)]
-    elif len(shape) >= 2 and shape[0] == 2 and _by_block(tensor[0], num_blocks) is not None:
-        parts = [(f"{name}#{kv}", _by_block(tensor[i], num_blocks)) for i, kv in enumerate("kv")]
+    elif (
+        len(shape) >= 2 and shape[0] == 2 and (keys := _by_block(tensor[0], num_blocks)) is not None
+    ):
+        parts = [(f"{name}#k", keys), (f"{name}#v", _by_block(tensor[1], num_blocks))]
     else:
         raise ValueError(
             f"KV cache tensor of {name} has shape {shape}: expected [{num_blocks}, ...] or "
