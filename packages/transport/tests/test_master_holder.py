@@ -4,6 +4,7 @@ and a holder keeps what a finished writer stored."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 from _proc import resident_bytes
 
+from hybridkv.transport import master as master_module
 from hybridkv.transport.errors import Status, StoreUnavailable
-from hybridkv.transport.master import MasterProcess, free_port, is_listening
+from hybridkv.transport.master import MasterProcess, free_port, is_listening, owns_listener
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.segment_holder import SegmentHolder
 from hybridkv.transport.testing import (
@@ -97,6 +99,21 @@ def test_a_master_is_not_started_on_a_port_another_process_listens_on(
     taken = start_mooncake_master().rpc_port
     with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{taken} already accepts connections"):
         MasterProcess.start(rpc_port=taken, timeout_s=5)
+
+
+def test_a_port_taken_between_probing_and_binding_is_not_mistaken_for_the_master(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Another process listening on the probed port passes a connect test; the master
+    that could not bind it exits, and the start tries other ports."""
+    with socket.create_server(("127.0.0.1", 0)) as thief:
+        taken = thief.getsockname()[1]
+        probes = iter([taken])
+        monkeypatch.setattr(master_module, "free_port", lambda host: next(probes, free_port()))
+        with MasterProcess.start(timeout_s=10, log_path=tmp_path / "m.log") as master:
+            assert master.rpc_port != taken
+            assert owns_listener(master.pid, master.rpc_port)
+            assert not owns_listener(master.pid, taken)
 
 
 def test_master_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:

@@ -49,6 +49,36 @@ def is_listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
+def owns_listener(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a TCP socket listening on `port`; None where /proc
+    cannot tell (not Linux). A port probed free may be taken before the child binds it:
+    then the child exits, and the listener answering there is somebody else's."""
+    listening: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                listening.add(f"socket:[{fields[9]}]")
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for descriptor in descriptors:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{descriptor}") in listening:
+                return True
+    return False
+
+
+def _serves(pid: int, host: str, port: int) -> bool:
+    """`pid` accepts connections on host:port (not merely: someone does)."""
+    return is_listening(host, port) and owns_listener(pid, port) is not False
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -282,7 +312,7 @@ class MasterProcess(ServiceProcess):
             ]
             child = ChildProcess("mooncake_master", argv, env, log_path)
             try:
-                child.wait_until(partial(is_listening, host, port), "listening", timeout_s)
+                child.wait_until(partial(_serves, child.pid, host, port), "listening", timeout_s)
             except StoreUnavailable:
                 if rpc_port or attempt == attempts:
                     raise
