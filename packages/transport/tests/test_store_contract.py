@@ -15,7 +15,7 @@ from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.store import Store
-from hybridkv.transport.testing import mooncake_config
+from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
 OK = Status.OK
 
@@ -275,6 +275,70 @@ def test_a_whole_put_over_a_revoked_session_of_another_client_left_nothing(
     assert put_whole(second, key, data) is OK
     assert first.batch_is_readable([key]) == [True]
     assert np.array_equal(get_whole(first, key, 1024)[1], data)
+
+
+DISCARD_S = 1  # the master's put_start_discard_timeout_sec, shortened from 30 s
+
+
+@pytest.fixture(params=["memory", "mooncake"])
+def discarding_clients(
+    request: pytest.FixtureRequest,
+    start_mooncake_master: StartMaster,
+    start_segment_holder: StartHolder,
+) -> Iterator[tuple[Store, Store]]:
+    """Two clients of a pool whose master discards put sessions open DISCARD_S."""
+    if request.param == "memory":
+        memory = MemoryStore(put_discard_s=DISCARD_S)
+        other = memory.another_client()
+        yield memory, other
+        other.close()
+        memory.close()
+        return
+    flag = f"--put_start_discard_timeout_sec={DISCARD_S}"
+    master = start_mooncake_master(extra_args=[flag])
+    start_segment_holder(master.address)
+    first = MooncakeStore.connect(mooncake_config(master.address))
+    second = MooncakeStore.connect(mooncake_config(master.address))
+    yield first, second
+    second.close()
+    first.close()
+
+
+def test_another_client_takes_over_a_put_session_left_open_past_the_discard_timeout(
+    discarding_clients: tuple[Store, Store],
+) -> None:
+    """A writer that stalls (or died without closing) does not hold its keys for good:
+    past the master's discard timeout another client may write them; the old writer's
+    ranges then land nowhere, and its end and revoke fail."""
+    first, second = discarding_clients
+    mine, theirs = pattern(1024, 20), pattern(1024, 21)
+    taken, revoked, whole, kept, own = (fresh_key(tag) for tag in "trwko")
+    stale = [taken, revoked, whole, kept, own]
+    assert first.put_session_start(stale, [1024] * 5) == [OK] * 5
+    time.sleep(DISCARD_S + 0.5)
+    young = fresh_key("y")
+    assert first.put_session_start([young], [1024]) == [OK]
+    assert second.put_session_start([young], [1024]) == [Status.EXISTS]  # not stale yet
+    assert first.put_session_start([own], [1024]) == [Status.INVALID]  # its own: still open
+
+    commit_with_session(second, taken, theirs)
+    assert second.put_session_start([revoked], [1024]) == [OK]
+    assert second.put_session_revoke([revoked]) == [OK]
+    assert put_whole(second, whole, theirs) is OK
+
+    assert first.put_ranges([taken], [[mine.ctypes.data]], [[1024]], [[0]]) == [OK]  # nowhere
+    assert first.put_session_end([taken]) == [Status.OTHER]
+    assert first.put_session_revoke([taken]) == [Status.OTHER]
+    assert first.put_session_end([revoked]) == [Status.NOT_FOUND]
+    assert first.put_session_end([whole]) == [Status.OTHER]
+    for key in (kept, own, young):  # nobody took them: the sessions still commit
+        assert first.put_ranges([key], [[mine.ctypes.data]], [[1024]], [[0]]) == [OK]
+        assert first.put_session_end([key]) == [OK]
+    assert second.batch_is_readable([revoked]) == [False]
+    for key, data in [(taken, theirs), (whole, theirs), (kept, mine), (own, mine), (young, mine)]:
+        status, out = get_whole(second, key, 1024)
+        assert status is OK
+        assert np.array_equal(out, data), key
 
 
 def test_ranged_calls_need_a_session_and_in_bounds_ranges(store: Store) -> None:

@@ -62,6 +62,7 @@ class _Object:
         self.address = ctypes.addressof(self.buffer)
         self.lease_until = 0.0
         self.writer = writer  # the client whose put session it is in, until committed
+        self.opened = time.monotonic()
 
     def leased(self) -> bool:
         """A read's lease holds it: only a forced removal takes it."""
@@ -86,12 +87,14 @@ def _offsets_of(sizes: Sizes) -> list[int]:
 class _Pool:
     """What every client of one in-memory pool shares."""
 
-    def __init__(self, capacity: int | None, lease_ttl_s: float) -> None:
+    def __init__(self, capacity: int | None, lease_ttl_s: float, put_discard_s: float) -> None:
         self.capacity = capacity
         self.lease_ttl_s = lease_ttl_s
+        self.put_discard_s = put_discard_s
         self.lock = threading.Lock()
         self.committed: dict[str, _Object] = {}
         self.open_puts: dict[str, _Object] = {}
+        self.lost: dict[str, set[int]] = {}  # key -> clients whose session was taken over
         self.faults: list[_Fault] = []
         self.used = 0
         self.clients = 0
@@ -103,12 +106,17 @@ class MemoryStore:
     `fail_next(...)` makes chosen keys of chosen operations report a chosen status, to
     test how callers handle a full pool, a dead segment or a lost master.
     `another_client()` joins the same pool as a second client, as another instance would.
+    `put_discard_s` is the master's `put_start_discard_timeout_sec` (30 s): a put session
+    open that long is discarded when another client starts a session on its key or puts
+    it whole; its writer's ranges then land nowhere (OK) and its end and revoke fail.
     """
 
-    def __init__(self, capacity: int | None = None, lease_ttl_s: float = 5.0) -> None:
+    def __init__(
+        self, capacity: int | None = None, lease_ttl_s: float = 5.0, put_discard_s: float = 30.0
+    ) -> None:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must not be negative, got {capacity}")
-        self._join(_Pool(capacity, lease_ttl_s))
+        self._join(_Pool(capacity, lease_ttl_s, put_discard_s))
 
     def _join(self, pool: _Pool) -> None:
         self._pool = pool
@@ -195,7 +203,7 @@ class MemoryStore:
         check_whole("batch_put_whole", keys, ptrs, sizes)
 
         def put(index: int, key: str) -> Status:
-            if key in self._pool.committed or key in self._pool.open_puts:
+            if key in self._pool.committed or self._held(key):
                 return Status.OK  # Mooncake keeps the old bytes and says OK
             return self._put_whole(key, ptrs[index], sizes[index])
 
@@ -229,7 +237,7 @@ class MemoryStore:
             size = object_sizes[index]
             if key in self._pool.committed or key in started:
                 return Status.EXISTS  # a repeat within one call, too
-            if key in self._pool.open_puts:
+            if self._held(key):
                 # Mooncake: another client's open session is an existing object; our own
                 # is a session opened twice.
                 return Status.INVALID if self._own_put(key) else Status.EXISTS
@@ -238,6 +246,7 @@ class MemoryStore:
             if not self._reserve(size):
                 return Status.NO_SPACE
             self._pool.open_puts[key] = _Object(size, writer=self._id)
+            self._pool.lost.get(key, set()).discard(self._id)
             started.add(key)
             return Status.OK
 
@@ -250,7 +259,7 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        return self._ranges("put_ranges", self._own_put, _copy_in, keys, ptrs, sizes, offsets)
+        return self._ranges("put_ranges", self._put_target, _copy_in, keys, ptrs, sizes, offsets)
 
     def put_session_end(self, keys: Sequence[str]) -> list[Status]:
         def commit(key: str) -> None:
@@ -325,6 +334,7 @@ class MemoryStore:
             if self._id == 1:
                 pool.committed.clear()
                 pool.open_puts.clear()
+                pool.lost.clear()
                 pool.used = 0
                 return
             for key in [key for key, obj in pool.open_puts.items() if obj.writer == self._id]:
@@ -375,7 +385,7 @@ class MemoryStore:
 
         def end(index: int, key: str) -> Status:
             if self._own_put(key) is None:
-                return Status.INVALID
+                return self._lost_session(key) or Status.INVALID
             settle(key)
             return Status.OK
 
@@ -415,6 +425,34 @@ class MemoryStore:
         """The object of this client's open put session for `key`, if it has one."""
         obj = self._pool.open_puts.get(key)
         return obj if obj is not None and obj.writer == self._id else None
+
+    def _held(self, key: str) -> bool:
+        """An open put session keeps `key` from this client: its own, or another client's
+        younger than `put_discard_s` (an older one is discarded now, as the master does)."""
+        obj = self._pool.open_puts.get(key)
+        if obj is None:
+            return False
+        if obj.writer == self._id or time.monotonic() - obj.opened < self._pool.put_discard_s:
+            return True
+        self._pool.used -= self._pool.open_puts.pop(key).size
+        self._pool.lost.setdefault(key, set()).add(obj.writer)
+        return False
+
+    def _put_target(self, key: str) -> _Object | Status | None:
+        """Where this client's ranges of `key` go: its open session's object, or nowhere
+        (OK, as Mooncake answers) if another client took the session over."""
+        own = self._own_put(key)
+        if own is None and self._id in self._pool.lost.get(key, ()):
+            return Status.OK
+        return own
+
+    def _lost_session(self, key: str) -> Status | None:
+        """What ending or revoking a session another client took over answers: OTHER while
+        the key is stored or being written again, NOT_FOUND once that was revoked."""
+        if self._id not in self._pool.lost.get(key, ()):
+            return None
+        taken = key in self._pool.committed or key in self._pool.open_puts
+        return Status.OTHER if taken else Status.NOT_FOUND
 
     def _readable(self, key: str) -> Status:
         if key in self._pool.committed:
