@@ -135,6 +135,10 @@ def test_eagle_drops_a_block_only_in_the_draft_head_s_groups() -> None:
     assert none.find_hit(999, readable, 1000).tokens == 768
     assert none.eagle_tokens == 0
     assert none.find_hit(999, [[T] * 3, [T] * 12], 1000).tokens == 768
+    # Any iterable names them, a generator too (checked and kept in one pass).
+    marked = Coordinator(kinds, use_eagle=True, eagle_groups=(i for i in [1]))
+    assert marked.find_hit(999, readable, known_tokens=1000).tokens == 768
+    assert marked.eagle_tokens == 64
 
 
 def test_store_mask_keeps_state_snapshots_only_at_aligned_boundaries() -> None:
@@ -307,6 +311,16 @@ def test_bad_calls_are_refused_by_name() -> None:
         coord.find_hit(128, [[T] * 8])
     with pytest.raises(ValueError, match=r"readable\[1\] must hold bools"):
         coord.find_hit(128, [[T] * 8, [None, None]])  # type: ignore[list-item]
+    with pytest.raises(
+        ValueError, match=r"readable\[1\] must be a sequence of bools, got a NoneType"
+    ):
+        coord.find_hit(128, [[T] * 8, None])  # type: ignore[list-item]
+    with pytest.raises(
+        ValueError, match="readable must be a callable or one sequence of bools per"
+    ):
+        coord.find_hit(128, {0: [T] * 8, 1: [T] * 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
+        coord.store_mask(-1)
     with pytest.raises(ValueError, match="hit 80 is not a multiple of the alignment 64"):
         coord.tail_hits(80, 200, 4, [[], []], 1)
     with pytest.raises(ValueError, match="unit must be a positive int"):

@@ -440,6 +440,32 @@ def test_partial_hashes_differ_from_block_hashes_and_from_each_other() -> None:
     assert hasher.partial_hash(5, token_ids, "lora") != hasher.partial_hash(5, token_ids)
 
 
+@given(st.integers(1, 8), st.lists(TOKENS, min_size=1, max_size=40), st.data())
+def test_partial_hash_refuses_token_ids_that_differ_from_the_tokens_fed_in_its_block(
+    block_size: int, fed: list[int], data: st.DataObject
+) -> None:
+    """Past the last full block the hasher still holds the tokens fed: a tail given
+    otherwise there would name a state computed over other tokens."""
+    tokens = data.draw(
+        st.sampled_from([n for n in range(1, len(fed) + 1) if n % block_size] or [0])
+    )
+    if not tokens:
+        return
+    hasher = BlockHasher(block_size, "ns")
+    hasher.extend(fed)
+    position = data.draw(st.integers(tokens // block_size * block_size, tokens - 1))
+    changed = list(fed)
+    changed[position] = data.draw(TOKENS.filter(lambda token: token != fed[position]))
+    # fed past `tokens` only: in the partial block (the hasher still holds it) or not
+    pending = len(fed) // block_size == tokens // block_size
+    if pending:
+        with pytest.raises(ValueError, match="differ from the tokens fed at those positions"):
+            hasher.partial_hash(tokens, changed)
+    else:  # that block was hashed whole: its tokens are gone, nothing to compare
+        hasher.partial_hash(tokens, changed)
+    assert hasher.partial_hash(tokens, fed) == hasher.partial_hash(tokens, [*fed, 1, 2])
+
+
 @pytest.mark.parametrize(
     ("tokens", "token_count", "error", "match"),
     [

@@ -111,12 +111,13 @@ def _drafted_groups(
         return frozenset(range(count) if use_eagle else ())
     if not use_eagle:
         raise ValueError("eagle_groups has no effect without use_eagle")
-    for index in eagle_groups:
+    drafted = list(eagle_groups)  # once: a generator would be spent by the checks
+    for index in drafted:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
             raise ValueError(
                 f"eagle_groups: {index!r} is not the index of one of the {count} groups"
             )
-    return frozenset(eagle_groups)
+    return frozenset(drafted)
 
 
 class Coordinator:
@@ -282,6 +283,7 @@ class Coordinator:
         one and of the two replay boundaries: a resend capped at `num_tokens - 1` and an
         extension capped at `num_tokens`, both knowing the blocks of `num_tokens`).
         """
+        num_tokens = _require_count("num_tokens", num_tokens)
         top = self.max_boundary(num_tokens)
         replays = (top, self.max_boundary(max(0, num_tokens - 1), num_tokens))
         return tuple(
@@ -386,12 +388,18 @@ class Coordinator:
     def _columns(self, top: int, readable: Readable) -> list[_Column]:
         if callable(readable):
             return [_CallableColumn(readable, group) for group in range(len(self._groups))]
+        if not isinstance(readable, Sequence) or isinstance(readable, (str, bytes, bytearray)):
+            raise ValueError(
+                "readable must be a callable or one sequence of bools per group, "
+                f"got a {type(readable).__name__}"
+            )
         if len(readable) != len(self._groups):
             raise ValueError(f"readable has {len(readable)} entries for {len(self._groups)} groups")
         columns: list[_Column] = []
         for group, (kind, given) in enumerate(zip(self._groups, readable, strict=True)):
             # Unordered (a set of indices, a mapping) would be read by iteration order.
-            if isinstance(given, (str, bytes, bytearray, AbstractSet, Mapping)):
+            unordered = isinstance(given, (str, bytes, bytearray, AbstractSet, Mapping))
+            if unordered or not isinstance(given, Iterable):
                 raise ValueError(
                     f"readable[{group}] must be a sequence of bools, got a {type(given).__name__}"
                 )

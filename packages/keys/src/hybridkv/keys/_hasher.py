@@ -188,6 +188,12 @@ class BlockHasher:
             raise ValueError(f"token_ids holds {len(token_ids)} tokens, fewer than {tokens}")
         previous = self._hashes[full - 1] if full else self._seed
         tail = _token_bytes(token_ids[full * self._block_size : tokens])
+        fed = self._pending if len(self._hashes) == full else b""  # the block's tokens so far
+        if tail[: len(fed)] != fed[: len(tail)]:
+            start = full * self._block_size
+            raise ValueError(
+                f"token_ids[{start}:{tokens}] differ from the tokens fed at those positions"
+            )
         return hashlib.sha256(
             _PARTIAL_TAG + previous + rest.to_bytes(4, "little") + _extra_bytes(extra) + tail
         ).digest()
