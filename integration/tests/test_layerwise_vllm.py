@@ -11,7 +11,6 @@ from conftest import require
 from layerwise_rig import ATTENTION, MIXER, ClientFailsReads, Rig, wait_until
 
 from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
-from hybridkv.integration.strategy import StateCopyJob
 from hybridkv.transport import BlockTransfer, Status
 
 torch = require("torch")
@@ -153,17 +152,6 @@ def test_mamba_hook_outside_a_step_does_nothing(rig: Rig) -> None:
     layerwise.close()
 
 
-class CopyRecorder:
-    """A state copy that notes the layers it copied and the mixer's state at that time."""
-
-    def __init__(self, rig: Rig) -> None:
-        self.rig = rig
-        self.copied: list[tuple[list[str], int]] = []
-
-    def __call__(self, names: Any) -> None:
-        self.copied.append((list(names), int(self.rig.caches[2, 3][BLOCKS[0], 0])))
-
-
 def _loaded_step(
     rig: Rig,
     hooks_fire: bool,
@@ -184,29 +172,6 @@ def _loaded_step(
     layerwise.install_state_hooks(ctx)
     layerwise.begin_step(rig.transfers(BLOCKS, tag="s"), saves)
     return layerwise, ctx
-
-
-def test_a_loaded_state_is_copied_in_its_layers_pre_hook_after_its_load(rig: Rig) -> None:
-    layerwise, ctx = _loaded_step(rig, hooks_fire=True)
-    copy = CopyRecorder(rig)
-    layerwise.copy_loaded_states([StateCopyJob([MIXER], copy)])
-    assert copy.copied == []  # not yet: the forward has not reached the mixer
-    assert rig.strategy.stats.finish_wait_s == 0  # and nothing waited for every load
-    forward(layerwise, rig, ctx[MIXER], 0)
-    assert copy.copied == [([MIXER], 43)]  # in the mixer's pre-hook, its load landed
-    assert layerwise.finish_loads().ok
-    layerwise.end_step()
-    layerwise.close()
-
-
-def test_without_running_hooks_a_loaded_state_is_copied_before_the_forward(rig: Rig) -> None:
-    layerwise, _ = _loaded_step(rig, hooks_fire=False)  # a compiled model
-    copy = CopyRecorder(rig)
-    layerwise.copy_loaded_states([StateCopyJob([MIXER, ATTENTION[0]], copy)])
-    assert copy.copied == [([MIXER, ATTENTION[0]], 43)]  # now, after every load
-    assert layerwise.finish_loads().ok
-    layerwise.end_step()
-    layerwise.close()
 
 
 def _first_byte(rig: Rig, layer: int) -> int:
@@ -291,11 +256,8 @@ def test_a_load_raising_in_the_forward_fails_every_load_and_the_forward_goes_on(
     rig = Rig(store)
     try:
         layerwise, ctx = _loaded_step(rig, True, _other_saves(rig))
-        copy = CopyRecorder(rig)
-        layerwise.copy_loaded_states([StateCopyJob([MIXER], copy)])
         store.broken = True
         forward(layerwise, rig, ctx[MIXER], 0)  # the first layer's load raised: no hook raises
-        assert copy.copied == []  # the mixer's state never loaded
         _failed_every_load(layerwise, rig, {group: set(BLOCKS) for group in (0, 1, 2)})
         store.broken = False  # the next step is a step like any other
         rig.engine.release(["req-1"])  # whose loads were its first blocks

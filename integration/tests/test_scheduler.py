@@ -806,42 +806,6 @@ def test_saves_complete_blocks_once_and_skip_null_blocks(vllm_specs: Any) -> Non
     assert meta.requests == []
 
 
-def test_loaded_recurrent_state_is_moved_to_the_block_the_step_writes(vllm_specs: Any) -> None:
-    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
-    side, pool = _side(vllm_specs, kinds, ModelShape(1, 2))
-    _store(side, pool, TOKENS, [0, 1], 192)
-    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (192, False)
-    tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
-    side.after_alloc(request("r", TOKENS), tables, 192)
-    (transfers,) = side.build_meta(scheduler_output(new=[("r", tables, 192, 8)])).requests
-    assert [(ref.group, ref.index) for ref in transfers.loads if ref.group == 1] == [(1, 5)]
-    # vLLM moved block 5's (not yet loaded) state to block 6 before the step: repeat it
-    assert [(c.group, c.src, c.dst) for c in transfers.copies] == [(1, 25, 26)]
-
-
-def test_state_loaded_on_resume_after_preemption_is_moved_too(vllm_specs: Any) -> None:
-    """A preempted request comes back as a resumed cached request with a whole new block
-    table; a synchronous hit loading its state needs the same move as a new request."""
-    kinds = [(["a"], attention(vllm_specs)), (["m"], mamba(vllm_specs))]
-    side, pool = _side(vllm_specs, kinds, ModelShape(1, 2))
-    req = request("r", TOKENS)
-    first = ([1, 2], [3, 4])
-    side.num_new_matched_tokens(req, 0)  # a miss: the pool is empty
-    side.after_alloc(req, first, 0)
-    side.build_meta(scheduler_output(new=[("r", first, 0, 64)]))
-    _store(side, pool, TOKENS, [0, 1], 192)  # meanwhile another instance stored the prompt
-    # preempted (blocks freed), then scheduled again: the hit is looked up anew
-    assert side.num_new_matched_tokens(req, 0) == (192, False)
-    tables = ([10 + b for b in range(7)], [20 + b for b in range(7)])
-    side.after_alloc(req, tables, 192)
-    output = scheduler_output(resumed=[("r", tables, 192, 8)])
-    (transfers,) = side.build_meta(output).requests
-    assert [(ref.group, ref.index, ref.block_id) for ref in transfers.loads if ref.group == 1] == [
-        (1, 5, 25)
-    ]
-    assert [(c.group, c.src, c.dst) for c in transfers.copies] == [(1, 25, 26)]
-
-
 def test_consumer_role_neither_loads_nor_saves_unless_told(vllm_specs: Any) -> None:
     kinds = [(["a"], attention(vllm_specs))]
     plan = plan_groups(groups(vllm_specs, *kinds), [0], ModelShape(1, 2))
@@ -968,7 +932,6 @@ def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit
     (transfers,) = side.build_meta(output).requests
     loads = {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads}
     assert loads == {(0, b, 10 + b, 0) for b in range(5)} | {(0, 5, 15, 176), (1, 5, 25, 176)}
-    assert transfers.copies == []  # the step computes inside block 5: the state stays
     # Completing block 5 saves it whole, under the whole block's hash.
     assert {(ref.group, ref.index, ref.tail) for ref in transfers.saves} == {(0, 5, 0), (1, 5, 0)}
     # The prompt's end, a multiple of 8 inside block 6, leaves a tail too.

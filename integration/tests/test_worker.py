@@ -19,11 +19,10 @@ from hybridkv.integration.metadata import (
     FailedLoads,
     HybridKVMetadata,
     RequestTransfers,
-    StateCopy,
 )
 from hybridkv.integration.strategy import SaveWait, Transfers, TransferStrategy, WholeBlocks
 from hybridkv.integration.window import LayerwiseStrategy
-from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts, tensor_entries
+from hybridkv.integration.worker import WorkerSide, build_layouts, tensor_entries
 from hybridkv.transport import (
     BlockTransfer,
     CpuEvent,
@@ -352,6 +351,18 @@ def test_after_a_reset_a_running_request_saves_its_blocks_under_new_keys(rig: An
     assert store.batch_is_readable([key]) == [True]
 
 
+def test_a_finished_request_s_saved_blocks_are_forgotten(rig: Any) -> None:
+    """vLLM frees a finished request's blocks: what the engine remembered it saved (to skip
+    them in its later steps) goes, or every request ever run would stay in memory."""
+    worker, _, _ = rig
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (1, 0, 2)]))])
+    _step(worker, [RequestTransfers(request_id="b", saves=_refs([(0, 1, 3)]))])
+    assert set(worker.engine.owned_blocks("a")) == {(0, 0), (1, 0)}
+    worker.finished({"a"})
+    assert worker.engine.owned_blocks("a") == {}
+    assert set(worker.engine.owned_blocks("b")) == {(0, 1)}  # still running
+
+
 def test_a_prompt_tail_and_the_whole_block_at_its_index_are_two_objects(rig: Any) -> None:
     """A request saves block 1 first as its prompt's tail (a partial object), then whole
     once a later chunk completes it: both are stored, neither refused as a rename."""
@@ -575,7 +586,7 @@ def test_saves_of_a_step_that_loads_wait_for_every_rank_s_loads(rig: Any, elsewh
         asked.append(flag)
         return flag or elsewhere
 
-    ranked = WorkerSide(worker.keys, worker.engine, worker.strategy, 0, CpuEvent, None, any_rank)
+    ranked = WorkerSide(worker.keys, worker.engine, worker.strategy, 0, CpuEvent, any_rank)
     saves = _refs([(0, 1, 6)])
     _step(ranked, [RequestTransfers(request_id="r", loads=_refs([(0, 0, 5)]), saves=saves)])
     assert asked == [False]  # once per step that loads, with this rank's own outcome
@@ -878,34 +889,6 @@ def test_a_save_that_raises_counts_every_block_it_put_as_failed(rig: Any) -> Non
     assert stats.data["failed_save_blocks"] == 3
 
 
-def _with_copier(rig: Any) -> WorkerSide:
-    """The rig's engine and strategy, in a worker that can copy blocks of its caches."""
-    worker, caches, _ = rig
-    return WorkerSide(
-        worker.keys,
-        worker.engine,
-        worker.strategy,
-        0,
-        CpuEvent,
-        block_copier(caches, NUM_BLOCKS),
-    )
-
-
-def test_a_loaded_state_is_also_copied_where_the_step_reads_it(rig: Any) -> None:
-    worker, caches, _ = rig
-    conv = caches["model.layers.1.conv"]
-    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(1, 1, 3)]))])
-    saved = conv[3].clone()
-    copying = _with_copier(rig)
-    load = RequestTransfers(
-        request_id="b", loads=_refs([(1, 1, 7)]), copies=[StateCopy(group=1, src=7, dst=6)]
-    )
-    _step(copying, [load])
-    assert copying.take_load_errors() == set()
-    assert torch.equal(conv[7], saved)
-    assert torch.equal(conv[6], saved)  # the block this step's kernel reads
-
-
 class CrashingStore(MemoryStore):
     """Every read raises: not a store failure, an error of the client itself."""
 
@@ -916,20 +899,13 @@ class CrashingStore(MemoryStore):
         raise RuntimeError("client crashed")
 
 
-def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs: Any) -> None:
+def test_layerwise_loads_that_raise_fail_the_loads_not_the_step(vllm_specs: Any) -> None:
     """The step's saves, computed over the loads that raised, are handed back unsaved."""
-    keys, caches, layouts = _model(vllm_specs)
+    keys, _, layouts = _model(vllm_specs)
     store = CrashingStore()
     engine = TransferEngine(store, layouts)
-    worker = WorkerSide(
-        keys, engine, _layerwise(engine), 0, CpuEvent, block_copier(caches, NUM_BLOCKS)
-    )
-    load = RequestTransfers(
-        request_id="b",
-        loads=_refs([(1, 1, 7)]),
-        copies=[StateCopy(group=1, src=7, dst=6)],
-        saves=_refs([(0, 2, 3)]),
-    )
+    worker = WorkerSide(keys, engine, _layerwise(engine), 0, CpuEvent)
+    load = RequestTransfers(request_id="b", loads=_refs([(1, 1, 7)]), saves=_refs([(0, 2, 3)]))
     worker.begin_step(HybridKVMetadata([load]))  # logged, not raised into vLLM
     worker.end_step()
     worker.barrier()
@@ -937,35 +913,6 @@ def test_a_state_copy_whose_loads_raised_fails_the_loads_not_the_step(vllm_specs
     assert worker.counters.snapshot()["failed_load_blocks"] == 1  # reported once
     assert worker.take_unsaved() == {("b", 0, 2), ("b", 1, 1)}  # its load, its save
     assert store.batch_is_readable(_keys(worker, load.saves)) == [False]
-    worker.close()
-
-
-@pytest.mark.parametrize("strategy", ["whole", "layerwise"])
-def test_a_state_copy_raising_after_its_load_fails_that_load_once(
-    vllm_specs: Any, strategy: str
-) -> None:
-    """One load succeeded, but its state never reached the block the kernel reads; the
-    other's object is missing. Both count as failed, once, and as nothing loaded; only
-    the missing one is quarantined."""
-    keys, _, layouts = _model(vllm_specs)
-    engine = TransferEngine(MemoryStore(), layouts)
-
-    def broken_copy(src: int, dst: int, names: Any) -> None:
-        raise RuntimeError("the copy failed")
-
-    worker = WorkerSide(keys, engine, STRATEGIES[strategy](engine), 0, CpuEvent, broken_copy)
-    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(1, 1, 7)]))])
-    worker.counters.take()
-    loads = _refs([(1, 1, 5), (1, 2, 4)])
-    copied = RequestTransfers(
-        request_id="b", loads=loads, copies=[StateCopy(group=1, src=5, dst=6)]
-    )
-    _step(worker, [copied])
-    assert worker.take_load_errors() == {4, 5}
-    assert worker.take_failed_keys() == set(_keys(worker, loads[1:]))
-    stats = worker.counters.snapshot()
-    assert stats["failed_load_blocks"] == 2
-    assert not stats.get("loaded_bytes")
     worker.close()
 
 

@@ -44,7 +44,7 @@ from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
 from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
-from hybridkv.integration.worker import WorkerSide, block_copier, build_layouts
+from hybridkv.integration.worker import WorkerSide, build_layouts
 from hybridkv.keys import model_name
 from hybridkv.transport import TransferEngine, make_event
 
@@ -336,6 +336,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.info(
                     "hybridkv: pool hits load in the background (load_async): %s.", background
                 )
+            elif not self.config.load_async and transfer.kv_load_failure_policy == "recompute":
+                logger.info(
+                    "hybridkv: pool hits load before the forward; vLLM caches their blocks "
+                    "before they arrive, and when a load fails a request sharing them in "
+                    "vLLM's prefix cache may compute over them (see docs/configuration.md); "
+                    "load_async=true avoids it"
+                )
             self._scheduler = SchedulerSide(
                 self.keys,
                 self.config,
@@ -513,7 +520,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._strategy(engine, device),
             tp_rank,
             lambda: make_event(device),
-            block_copier(kv_caches, self._kv_cache_config.num_blocks),
             _any_rank(tp_group) if tp_group.world_size > 1 else None,
             steps_ahead=self._vllm_config.max_concurrent_batches - 1,
             saves_outlive_step=_preemptions_come_first(self._vllm_config, device),

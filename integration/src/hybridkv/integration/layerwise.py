@@ -15,12 +15,12 @@ step must begin when the worker binds the step's connector metadata, not there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hybridkv.integration.strategy import SaveWait, StateCopyJob, Transfers, all_failed
+from hybridkv.integration.strategy import SaveWait, Transfers, all_failed
 from hybridkv.integration.window import LayerwiseStrategy
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
@@ -119,8 +119,6 @@ class VllmLayerwise:
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
         self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
-        # Per hooked layer, this step's state copies still to run once its load landed.
-        self._state_copies: dict[str, list[Callable[[Sequence[str]], None]]] = {}
         self._uninstall: list[Callable[[], None]] = []
 
     def install_state_hooks(self, static_forward_context: Mapping[str, Any]) -> None:
@@ -142,7 +140,6 @@ class VllmLayerwise:
         """Raises what the transport raised (the worker reports every load failed); the
         forward's hooks then pass through."""
         self._open_windows.clear()
-        self._state_copies.clear()
         self._loads = list(loads)
         self._loaded = None
         self._step_raised = False
@@ -154,26 +151,6 @@ class VllmLayerwise:
             if loads and not self._hooks_fire and self._plan.state:
                 last_state = max(self._plan.state, key=self.strategy.layer_of)
                 self.strategy.wait_for_layer_load(last_state)
-
-    def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
-        """Each hooked layer's copy runs in its pre-hook, right after its own load: the
-        other layers' loads keep overlapping the forward. Layers without a running hook
-        (compiled models) are copied now, after every load (raising like `begin_step`)."""
-        now: list[tuple[StateCopyJob, list[str]]] = []
-        for job in copies:
-            rest = []
-            for name in job.layer_names:
-                if self._hooks_fire and name in self._hooked:
-                    self._state_copies.setdefault(name, []).append(job.copy)
-                else:
-                    rest.append(name)
-            if rest:
-                now.append((job, rest))
-        if now:
-            with self._failing_the_step():
-                self.strategy.wait_all_loads()
-                for job, names in now:
-                    job.copy(names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._guarded(lambda: self._enter(layer_name), None)
@@ -237,7 +214,6 @@ class VllmLayerwise:
     def end_step(self, keep_saves: bool = True) -> SaveWait | None:
         """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
-        self._state_copies.clear()
         loaded = self.finish_loads()
         result = self._guarded(lambda: self.strategy.wait_for_save(keep_saves), None)
         if result is None:  # no step, or it was drained when it raised (perhaps a put)
@@ -291,17 +267,11 @@ class VllmLayerwise:
         import torch
 
         strategy = self.strategy
-        state_copies = self._state_copies
-
-        def load_and_copy() -> None:
-            strategy.wait_for_layer_load(name)
-            for copy in state_copies.pop(name, ()):
-                copy([name])
 
         def before_forward(_module: Any, _args: Any) -> None:
             if torch.compiler.is_compiling() or not strategy.active:
                 return  # compiled: begin_step already waited (hooks_fire=False)
-            self._guarded(load_and_copy, None)
+            self._guarded(lambda: strategy.wait_for_layer_load(name), None)
 
         return before_forward
 

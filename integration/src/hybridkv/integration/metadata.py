@@ -32,23 +32,9 @@ class BlockRef(msgspec.Struct, frozen=True, array_like=True):
     tail: int = 0
 
 
-class StateCopy(msgspec.Struct, frozen=True, array_like=True):
-    """Copy plan group `group`'s local block `src` to `dst` once the step's loads landed.
-
-    vLLM ("align" Mamba cache mode) moves a request's recurrent state from the block of
-    its last computed token to the block the step will write before the connector loads
-    anything; this repeats that move for a state that arrived from the pool.
-    """
-
-    group: int
-    src: int
-    dst: int
-
-
 class RequestTransfers(msgspec.Struct, kw_only=True):
     request_id: str
     loads: list[BlockRef] = msgspec.field(default_factory=list)
-    copies: list[StateCopy] = msgspec.field(default_factory=list)
     saves: list[BlockRef] = msgspec.field(default_factory=list)
     # Load in the background and report through get_transfer_results (vLLM's async load
     # path).

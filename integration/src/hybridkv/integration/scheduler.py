@@ -30,7 +30,7 @@ from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
 from hybridkv.integration.fresh import FreshPrefixes
 from hybridkv.integration.keying import KeySpace, RequestHashes
-from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers, StateCopy
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
 from hybridkv.integration.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
@@ -499,7 +499,7 @@ class SchedulerSide:
         for tracked, start, done, restarted in scheduled:
             if restarted is not None:
                 self._skip_local_hit(tracked, start)
-                self._start(tracked, restarted, done, step)
+                tracked.block_ids = [list(ids) for ids in restarted]  # new, or resumed
             if self.generation and self._saves and not (tracked.skip_local_hit or tracked.tainted):
                 self._remember_fresh(tracked, done)
         hold = False
@@ -579,38 +579,6 @@ class SchedulerSide:
             for at, (ids, _, _) in enumerate(spans):
                 if index < len(ids) and ids[index] in self._poisoned:
                     clean_below[at] = False
-
-    def _start(
-        self,
-        tracked: _Tracked,
-        block_ids: Sequence[Sequence[int]],
-        done: int,
-        step: dict[str, RequestTransfers],
-    ) -> None:
-        """A request (re)starts with a full block table: new, or resumed after preemption."""
-        tracked.block_ids = [list(ids) for ids in block_ids]
-        transfers = step.get(tracked.request.request_id)
-        if transfers is not None:
-            self._plan_state_copies(transfers, tracked.block_ids, done)
-
-    def _plan_state_copies(
-        self, transfers: RequestTransfers, block_ids: Sequence[list[int]], done: int
-    ) -> None:
-        """A loaded recurrent state must also sit where this step's kernel reads it.
-
-        vLLM copies the state from the block of the last computed token to the block of
-        the step's last token before any connector hook runs, so before our load.
-        """
-        if transfers.load_async:
-            return  # the copy happens in the first step after the load completed
-        for ref in transfers.loads:
-            if ref.group not in self._state_groups:
-                continue
-            plan = self.plan.groups[ref.group]
-            running = -(-done // plan.block_size) - 1
-            ids = block_ids[plan.vllm_group_id]
-            if running != ref.index and running < len(ids) and ids[running] != NULL_BLOCK_ID:
-                transfers.copies.append(StateCopy(ref.group, ref.block_id, ids[running]))
 
     def _plan_saves(
         self,

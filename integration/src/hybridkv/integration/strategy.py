@@ -4,8 +4,7 @@ The worker calls the same points every step, whatever the mode:
 
 - `begin_step(loads, saves)` when vLLM binds the step's connector metadata, before the
   forward (vLLM calls `start_load_kv` after the forward in steps without synchronous
-  loads, so that hook is too late for anything the forward needs), then
-  `copy_loaded_states(copies)` for recurrent states that must move after their load;
+  loads, so that hook is too late for anything the forward needs);
 - `wait_for_layer_load(name)` / `save_layer(name)` from vLLM's per-layer connector calls;
 - `finish_loads()` once the forward is done with the step's loads (from `wait_for_save`,
   or earlier when vLLM asks for failed blocks before it), then `end_step()` from
@@ -23,7 +22,6 @@ writes any block, else before `wait_for_save` returns).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferResult
@@ -32,17 +30,6 @@ from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferRes
 Transfers = Sequence[BlockTransfer]
 # Waits for a step's saves; their result.
 SaveWait = Callable[[], TransferResult]
-
-
-@dataclass(frozen=True)
-class StateCopyJob:
-    """Copy a loaded recurrent state to the block this step's kernel reads it from.
-
-    `copy(names)` copies it for those of `layer_names` given, so a layerwise strategy can
-    copy each layer's state just before that layer runs."""
-
-    layer_names: Sequence[str]
-    copy: Callable[[Sequence[str]], None]
 
 
 class TransferStrategy(Protocol):
@@ -59,9 +46,6 @@ class TransferStrategy(Protocol):
 
     def discard_saves(self) -> None:
         """The step's loads are lost (they raised): save nothing it computes."""
-
-    def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
-        """Run each copy once the loads of its layers landed and before they compute."""
 
     def wait_for_layer_load(self, layer_name: str) -> None: ...
 
@@ -117,10 +101,6 @@ class WholeBlocks:
 
     def discard_saves(self) -> None:
         self._saves = []
-
-    def copy_loaded_states(self, copies: Sequence[StateCopyJob]) -> None:
-        for job in copies:  # begin_step already waited for every load
-            job.copy(job.layer_names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -9,7 +9,6 @@ block that left a sliding window or a superseded Mamba state).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,9 +16,9 @@ from typing import Any
 
 from hybridkv.integration.events import HeadStored
 from hybridkv.integration.keying import KeySpace
-from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, StateCopy
+from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
-from hybridkv.integration.strategy import StateCopyJob, TransferStrategy, all_failed
+from hybridkv.integration.strategy import TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
     CacheEntry,
@@ -153,7 +152,6 @@ class WorkerSide:
         strategy: TransferStrategy,
         tp_rank: int,
         new_event: Callable[[], Event],
-        copy_block: BlockCopier | None = None,
         any_rank: Callable[[bool], bool] | None = None,
         steps_ahead: int = 1,
         saves_outlive_step: bool = True,
@@ -174,7 +172,6 @@ class WorkerSide:
         self._any_rank = any_rank
         self._steps_ahead = steps_ahead
         self._saves_outlive_step = saves_outlive_step
-        self._copy_block = copy_block
         self.engine = engine
         self.strategy = strategy
         self.tp_rank = tp_rank
@@ -314,7 +311,6 @@ class WorkerSide:
             self._generation = meta.generation
         sync: list[BlockTransfer] = []
         saves: list[BlockTransfer] = []
-        copies = [copy for request in meta.requests for copy in request.copies]
         loaded_blocks = 0
         for request in meta.requests:
             loads = self._transfers(request.request_id, request.loads, writing=False)
@@ -343,31 +339,17 @@ class WorkerSide:
             fence = self._new_event()
             fence.record()
             fence.synchronize()
-        if copies and self._copy_block is None:
-            raise RuntimeError("state copies planned but the worker has no caches to copy")
         # Another rank's failed load reaches this rank's KV through the model's
         # all-reduces: with several ranks, a step that loads saves only once they agree.
         # (And a state vLLM moves into its block after sampling is read only then.)
         hold = (bool(sync) and self._any_rank is not None) or meta.hold_saves
         try:
             self.strategy.begin_step(sync, saves, hold_saves=hold)
-            if copies:
-                self.strategy.copy_loaded_states(self._state_copy_jobs(copies))
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             if sync:  # the forward runs over blocks that were not loaded: reported at its end
                 self._loads_raised = True
                 self.strategy.discard_saves()
-
-    def _state_copy_jobs(self, copies: Sequence[StateCopy]) -> list[StateCopyJob]:
-        assert self._copy_block is not None
-        return [
-            StateCopyJob(
-                self.keys.plan.groups[copy.group].layer_names,
-                functools.partial(self._copy_block, copy.src, copy.dst),
-            )
-            for copy in copies
-        ]
 
     def start_async_loads(self) -> None:
         """vLLM's `start_load_kv`: background loads of requests waiting for their KV."""
@@ -516,21 +498,3 @@ class WorkerSide:
         self._unstarted.clear()
         self._sync_loads, self._loads_failed = [], False  # nothing left to settle
         self.engine.close()
-
-
-# (source block, destination block, layer names) -> None
-BlockCopier = Callable[[int, int, Sequence[str]], None]
-
-
-def block_copier(kv_caches: Mapping[str, Any], num_blocks: int) -> BlockCopier:
-    """Copies one local block of the named layers' caches (stream-ordered on GPUs)."""
-
-    def copy_block(src: int, dst: int, names: Sequence[str]) -> None:
-        for name in names:
-            cache = kv_caches[name]
-            for part in cache if isinstance(cache, list | tuple) else (cache,):
-                if part.shape[0] != num_blocks:  # [2, num_blocks, ...]: K and V
-                    part = part.transpose(0, 1)
-                part[dst].copy_(part[src])
-
-    return copy_block
