@@ -12,6 +12,7 @@ import uuid
 
 import numpy as np
 import pytest
+from _proc import wait_stopped
 
 from hybridkv.transport.errors import Status, StoreUnavailable, raise_on_failure
 from hybridkv.transport.memory_store import MemoryStore
@@ -239,6 +240,7 @@ def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
         assert put_all(store, stored, data) == [OK]
         os.kill(master.pid, signal.SIGSTOP)
         try:
+            wait_stopped(master.pid)  # else a thread not yet stopped may still answer
             with pytest.raises(StoreUnavailable, match="batch_is_readable of 'fault-stalled"):
                 store.batch_is_readable(stored)
             assert store.get_session_start(stored) == [Status.RPC_FAILED]
