@@ -1,6 +1,9 @@
-"""What Linux's /proc says about a process, for the tests that check memory residency."""
+"""What Linux's /proc says about a process: its memory residency, whether it has stopped."""
 
 from __future__ import annotations
+
+import os
+import time
 
 
 def resident_bytes(pid: int | str = "self") -> int:
@@ -15,9 +18,6 @@ def resident_bytes(pid: int | str = "self") -> int:
 def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
     """Until every thread of `pid` has stopped (after SIGSTOP, which a busy machine may
     take a moment to deliver to each: meanwhile the process still answers requests)."""
-    import os
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = []

@@ -118,7 +118,6 @@ class VllmLayerwise:
         self._blamed_in_drain: set[str] = set()
         self._open_windows: set[str] = set()
         self._hook_handles: list[Any] = []
-        self._hooked: set[str] = set()  # layers whose pre-hook runs before they compute
         self._uninstall: list[Callable[[], None]] = []
 
     def install_state_hooks(self, static_forward_context: Mapping[str, Any]) -> None:
@@ -128,13 +127,11 @@ class VllmLayerwise:
             module = static_forward_context[name]
             self._hook_handles.append(module.register_forward_pre_hook(self._load_hook(name)))
             self._hook_handles.append(module.register_forward_hook(self._state_hook(name)))
-            self._hooked.add(name)
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
-        self._hooked.clear()
 
     def begin_step(self, loads: Transfers, saves: Transfers, hold_saves: bool = False) -> None:
         """Raises what the transport raised (the worker reports every load failed); the

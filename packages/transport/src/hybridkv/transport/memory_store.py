@@ -442,17 +442,21 @@ class MemoryStore:
         """Where this client's ranges of `key` go: its open session's object, or nowhere
         (OK, as Mooncake answers) if another client took the session over."""
         own = self._own_put(key)
-        if own is None and self._id in self._pool.lost.get(key, ()):
+        if own is None and self._lost(key):
             return Status.OK
         return own
 
     def _lost_session(self, key: str) -> Status | None:
         """What ending or revoking a session another client took over answers: OTHER while
         the key is stored or being written again, NOT_FOUND once that was revoked."""
-        if self._id not in self._pool.lost.get(key, ()):
+        if not self._lost(key):
             return None
         taken = key in self._pool.committed or key in self._pool.open_puts
         return Status.OTHER if taken else Status.NOT_FOUND
+
+    def _lost(self, key: str) -> bool:
+        """Another client took over this client's put session of `key`."""
+        return self._id in self._pool.lost.get(key, ())
 
     def _readable(self, key: str) -> Status:
         if key in self._pool.committed:
