@@ -703,8 +703,11 @@ def test_a_hit_vllm_cuts_shorter_loads_what_the_shorter_boundary_needs(vllm_spec
     # The window's 2 blocks before 128, 4 full blocks, the state after block 3: its load
     # fails (the object is missing) and vLLM recomputes the request.
     assert loads == {(0, 2, 12), (0, 3, 13)} | {(1, i, 20 + i) for i in range(4)} | {(2, 3, 33)}
-    # The step computes blocks 4 and 5 past the cut: saved as usual.
-    assert {(ref.group, ref.index) for ref in transfers.saves} >= {(1, 4), (1, 5)}
+    # The step computes blocks 4 and 5 past the cut: saved as usual, in every group (the
+    # window and the states at 160 and 192 are what those boundaries need).
+    assert {(ref.group, ref.index) for ref in transfers.saves} == {
+        (group, block) for group in range(3) for block in (4, 5)
+    }
 
 
 def test_an_allocation_no_hit_can_explain_is_refused(vllm_specs: Any) -> None:
@@ -843,12 +846,18 @@ def _tail_side(
     shape: ModelShape = ONE_RANK,
     use_eagle: bool = False,
     local_hit_unit: int = 0,
+    block_sizes: tuple[int, int] = (32, 32),
     **config: Any,
 ) -> tuple[SchedulerSide, Pool]:
-    """Full attention beside a Mamba state, 32-token blocks, vLLM hitting every
-    `tail_unit` tokens (0: at block ends only) and hashing every `local_hit_unit`."""
+    """Full attention beside a Mamba state, 32-token blocks (or `block_sizes`), vLLM
+    hitting every `tail_unit` tokens (0: at block ends only) and hashing every
+    `local_hit_unit`."""
     heads = shape.total_kv_heads // shape.tp_size or 1
-    kinds = [(["a"], attention(vllm_specs, heads=heads)), (["m"], mamba(vllm_specs))]
+    full, state = block_sizes
+    kinds = [
+        (["a"], attention(vllm_specs, block_size=full, heads=heads)),
+        (["m"], mamba(vllm_specs, block_size=state)),
+    ]
     plan = plan_groups(groups(vllm_specs, *kinds), [0, 1], shape)
     pool = Pool()
     side = SchedulerSide(
@@ -879,11 +888,13 @@ def test_after_a_reset_a_hit_inside_a_block_is_fresh_where_vllm_hashes(
     assert bool(_admitted(side, request("b", TOKENS), other, 40).requests) is saved
 
 
-def _write_prompt(side: SchedulerSide, pool: Pool, tokens: list[int], chunks: list[int]) -> list:
+def _write_prompt(
+    side: SchedulerSide, pool: Pool, tokens: list[int], chunks: list[int], blocks: int = 8
+) -> list:
     """Run a writer through prefill chunks ending at `chunks`; put what it saves."""
     req = request("w", tokens)
     side.after_alloc(req, ([], []), 0)
-    tables = ([100 + b for b in range(8)], [200 + b for b in range(8)])
+    tables = ([100 + b for b in range(blocks)], [200 + b for b in range(blocks)])
     saves = []
     done = 0
     for end in chunks:
@@ -981,6 +992,21 @@ def test_the_block_vllm_s_own_hit_ends_inside_is_loaded_from_the_pool(
     output = scheduler_output(new=[("r", tables, hit, 0)], tables={"r": tables})
     (transfers,) = side.build_meta(output).requests
     assert {(ref.group, ref.index, ref.block_id, ref.tail) for ref in transfers.loads} == loads
+
+
+def test_a_tail_past_the_last_aligned_boundary_is_found_with_smaller_attention_blocks(
+    vllm_specs: Any,
+) -> None:
+    """Attention blocks of 16 beside states of 64: the prompt's tail at 248 lies past its
+    last aligned boundary (192) and needs attention blocks 12-14, which no aligned
+    boundary does. The writer saves them and a resend asks about them, so it resumes at
+    the tail, not at 192."""
+    side, pool = _tail_side(vllm_specs, block_sizes=(16, 64))
+    prompt = (TOKENS + list(range(900, 960)))[:250]
+    saves = _write_prompt(side, pool, prompt, [64, 128, 192, 248, 250], blocks=16)
+    assert sorted(ref.index for ref in saves if ref.group == 0 and not ref.tail) == list(range(15))
+    assert {(ref.group, ref.index) for ref in saves if ref.tail == 248} == {(0, 15), (1, 3)}
+    assert side.num_new_matched_tokens(request("again", prompt), 0) == (248, False)
 
 
 def test_a_tail_query_without_answer_keeps_the_aligned_hit_and_is_no_failed_lookup(

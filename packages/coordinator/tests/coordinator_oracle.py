@@ -103,6 +103,23 @@ def load_mask(groups: Sequence[GroupKind], tokens: int) -> tuple[tuple[bool, ...
     return tuple(as_mask(needs(kind, tokens), tokens // kind.block_size) for kind in groups)
 
 
+def tails(groups: Sequence[GroupKind], eagle: Collection[int], unit: int, stop: int) -> list[int]:
+    """Where a prompt tail can be: multiples of `unit` up to `stop` inside a block of every
+    group (none with EAGLE: its dropped block would lie past a partial one)."""
+    if not unit or eagle:
+        return []
+    return [
+        tokens
+        for tokens in range(1, stop + 1)
+        if tokens % unit == 0 and all(tokens % kind.block_size for kind in groups)
+    ]
+
+
+def whole_needs(kind: GroupKind, tokens: int) -> set[int]:
+    """A tail's needs but its partial block (stored as the tail's own object)."""
+    return needs(kind, tokens) - {tokens // kind.block_size}
+
+
 def _kept_mask(
     groups: Sequence[GroupKind],
     alignment: int,
@@ -111,15 +128,19 @@ def _kept_mask(
     cap: int,
     known: int,
     replays: set[int],
+    tail_boundaries: Sequence[int],
 ) -> tuple[tuple[bool, ...], ...]:
     masks = []
     for group, kind in enumerate(groups):
+        thinned = retention > 1 and isinstance(kind, SlidingWindow | RecurrentState)
         blocks: set[int] = set()
         for tokens in candidates(groups, alignment, eagle, cap, known):
-            thinned = retention > 1 and isinstance(kind, SlidingWindow | RecurrentState)
             if thinned and tokens % (retention * alignment) and tokens not in replays:
                 continue
             blocks |= reach(kind, group in eagle, tokens)
+        for tokens in tail_boundaries:
+            if not thinned or tokens in replays:
+                blocks |= whole_needs(kind, tokens)
         masks.append(as_mask(blocks, known // kind.block_size))
     return tuple(masks)
 
@@ -136,10 +157,12 @@ def lookup_mask(
     eagle: Collection[int],
     max_tokens: int,
     known: int,
+    tail_unit: int = 0,
 ) -> tuple[tuple[bool, ...], ...]:
     """Every boundary's needs, whatever the retention: another request's replay
-    boundaries can be any."""
-    return _kept_mask(groups, alignment, eagle, 1, max_tokens, known, set())
+    boundaries can be any; and every tail's whole blocks."""
+    at = tails(groups, eagle, tail_unit, max_tokens)
+    return _kept_mask(groups, alignment, eagle, 1, max_tokens, known, set(), at)
 
 
 def store_mask(
@@ -148,12 +171,20 @@ def store_mask(
     eagle: Collection[int],
     retention: int,
     num_tokens: int,
+    tail_unit: int = 0,
+    tail_tokens: int | None = None,
 ) -> tuple[tuple[bool, ...], ...]:
+    """Under retention, sparse groups keep the aligned boundaries and the tails that a
+    resend (capped one below the length) and an extension (capped at it) find."""
+    tail_stop = num_tokens if tail_tokens is None else min(tail_tokens, num_tokens)
+    at = tails(groups, eagle, tail_unit, tail_stop)
     replays = {
         top(groups, alignment, eagle, num_tokens, num_tokens),
         top(groups, alignment, eagle, max(0, num_tokens - 1), num_tokens),
+        max([t for t in at if t < tail_stop], default=0),
+        max(at, default=0),
     }
-    return _kept_mask(groups, alignment, eagle, retention, num_tokens, num_tokens, replays)
+    return _kept_mask(groups, alignment, eagle, retention, num_tokens, num_tokens, replays, at)
 
 
 def tail_hit(
@@ -171,21 +202,14 @@ def tail_hit(
     the block holding the boundary's last token as that group's partial object
     (`is_tail_readable(group, T)`), among the `limit` largest whose full blocks are."""
     hit, masks = find_hit(groups, alignment, eagle, max_tokens, is_readable)
-    if eagle:
-        return hit, masks
-    inside = [
-        tokens
-        for tokens in range(max_tokens, hit, -1)
-        if tokens % unit == 0 and all(tokens % kind.block_size for kind in groups)
-    ]
+    inside = [tokens for tokens in reversed(tails(groups, eagle, unit, max_tokens)) if tokens > hit]
     whole = [
         tokens
         for tokens in inside
         if all(
             is_readable(group, block)
             for group, kind in enumerate(groups)
-            for block in needs(kind, tokens)
-            if block != tokens // kind.block_size
+            for block in whole_needs(kind, tokens)
         )
     ]
     for tokens in whole[:limit]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import coordinator_oracle as oracle
@@ -14,6 +15,7 @@ from hybridkv.coordinator import (
     Coordinator,
     FullAttention,
     GroupKind,
+    Masks,
     RecurrentState,
     SlidingWindow,
     marked_blocks,
@@ -120,14 +122,25 @@ def test_deepseek_v4_shape_matches_oracle(data: st.DataObject, case: Case, max_t
     )
 
 
+# Tail units: none, finer than every block, and some that some block size divides.
+TAIL_UNITS = st.sampled_from([0, 1, 3, 4, 8, 24, 32])
+
+
 @settings(max_examples=300, deadline=None)
-@given(cases(), TOKENS, PAST_CAP)
-def test_masks_match_oracle(case: Case, tokens: int, past_cap: int) -> None:
+@given(cases(), TOKENS, PAST_CAP, TAIL_UNITS, st.one_of(st.none(), TOKENS))
+def test_masks_match_oracle(
+    case: Case, tokens: int, past_cap: int, tail_unit: int, tail_tokens: int | None
+) -> None:
     coord = case.coordinator()
     known = tokens + past_cap
-    lookup = oracle.lookup_mask(case.groups, case.alignment, case.eagle, tokens, known)
-    assert coord.lookup_mask(tokens, known) == lookup
+    lookup = oracle.lookup_mask(case.groups, case.alignment, case.eagle, tokens, known, tail_unit)
+    assert coord.lookup_mask(tokens, known, tail_unit) == lookup
+    if not tail_unit:
+        assert coord.lookup_mask(tokens, known) == lookup
     args = (case.groups, case.alignment, case.eagle, case.retention, tokens)
+    assert coord.store_mask(tokens, tail_unit, tail_tokens) == oracle.store_mask(
+        *args, tail_unit, tail_tokens
+    )
     assert coord.store_mask(tokens) == oracle.store_mask(*args)
     aligned = tokens // case.alignment * case.alignment
     assert coord.load_mask(aligned) == oracle.load_mask(case.groups, aligned)
@@ -229,3 +242,46 @@ def test_tail_hit_matches_oracle(
         lambda group, tokens: (group, tokens) in stored_tails,
     )
     assert (got.tokens, got.load_masks) == expected
+
+
+def _found(
+    coord: Coordinator, stored: Masks, partials: AbstractSet[int], length: int, unit: int
+) -> tuple[int, int]:
+    """The aligned hit of a request of `length` tokens (capped one below, as vLLM asks),
+    asking the store only about `lookup_mask` blocks, and where it resumes after asking
+    about tails' partial objects."""
+    mask = coord.lookup_mask(length - 1, length, unit)
+    answers = [
+        block < len(stored[group]) and stored[group][block] for group, block in marked_blocks(mask)
+    ]
+    readable = scatter_readable(mask, answers)
+    hit = coord.find_hit(length - 1, readable, length)
+    tails = coord.tail_hits(hit.tokens, length - 1, unit, readable, length) if unit else []
+    return hit.tokens, next((tail.tokens for tail in tails if tail.tokens in partials), hit.tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), cases(), st.integers(1, 1100), st.sampled_from([1, 3, 4, 8, 24]))
+def test_store_then_lookup_finds_the_tail(
+    data: st.DataObject, case: Case, num_tokens: int, unit: int
+) -> None:
+    """A prompt stores its whole blocks by `store_mask` and tails (every group's partial
+    object) at some multiples of `unit` inside blocks: a resend and an extension resume
+    at the last of those tails past their aligned hit, with blocks of unequal sizes too
+    (the tail's whole blocks can lie past the last aligned boundary). Under retention,
+    sparse groups keep only the tails those two find."""
+    coord = case.coordinator()
+    stored = coord.store_mask(num_tokens, unit)
+    candidates = oracle.tails(case.groups, case.eagle, unit, num_tokens)
+    partials = (
+        set(data.draw(st.lists(st.sampled_from(candidates), max_size=4))) if candidates else set()
+    )
+    for length in (num_tokens, num_tokens + data.draw(st.integers(1, 300), label="extension")):
+        cap = min(length - 1, num_tokens)
+        aligned, got = _found(coord, stored, partials, length, unit)
+        usable = [tokens for tokens in partials if aligned < tokens <= cap]
+        replay = max((tokens for tokens in candidates if tokens <= cap), default=0)
+        kept = usable if case.retention == 1 else [t for t in usable if t == replay]
+        if case.retention == 1 or kept:
+            assert got == max(kept, default=aligned), length
+        assert got == aligned or got in usable, length

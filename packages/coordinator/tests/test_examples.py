@@ -299,6 +299,28 @@ def test_a_tail_inside_a_smaller_block_stops_before_it() -> None:
     assert not coord.is_tail_boundary(80)  # a whole 16-token block ends there
 
 
+def test_a_tail_past_the_last_aligned_boundary_finds_its_whole_blocks() -> None:
+    """Blocks of 64 beside states of 128: a 500-token prompt's last aligned boundary is
+    384, but its tail at 496 needs attention blocks 0-6. The store keeps block 6 and the
+    lookup asks about it, so a resend resumes at 496, not at 432."""
+    coord = Coordinator([FullAttention(64), RecurrentState(128)])
+    assert blocks(coord.store_mask(500)[0]) == list(range(6))  # aligned boundaries only
+    stored = coord.store_mask(500, tail_unit=16)
+    assert blocks(stored[0]) == list(range(7))
+    assert blocks(stored[1]) == [0, 1, 2]  # snapshots at 128, 256, 384; tails are objects
+    mask = coord.lookup_mask(499, 500, tail_unit=16)
+    assert blocks(mask[0]) == list(range(7))
+    answers = [stored[group][block] for group, block in marked_blocks(mask)]
+    readable = scatter_readable(mask, answers)
+    hit = coord.find_hit(499, readable, 500)
+    assert hit.tokens == 384
+    assert tokens_of(coord.tail_hits(384, 499, 16, readable, 3)) == [496, 480, 464]
+    # Past the last aligned boundary (640), the tail at 752 needs block 10; no tail is
+    # stored past the prompt (500), so a decode up to 760 tokens need not keep it.
+    assert blocks(coord.store_mask(760, tail_unit=16)[0]) == list(range(11))
+    assert blocks(coord.store_mask(760, tail_unit=16, tail_tokens=500)[0]) == list(range(10))
+
+
 def test_bad_calls_are_refused_by_name() -> None:
     coord = Coordinator([FullAttention(16), RecurrentState(64)])
     with pytest.raises(ValueError, match="tokens 80 is not a multiple of the alignment 64"):
@@ -321,6 +343,10 @@ def test_bad_calls_are_refused_by_name() -> None:
         coord.find_hit(128, {0: [T] * 8, 1: [T] * 2})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
         coord.store_mask(-1)
+    with pytest.raises(ValueError, match="tail_unit must be a non-negative int"):
+        coord.lookup_mask(200, tail_unit=-4)
+    with pytest.raises(ValueError, match="tail_tokens must be a non-negative int"):
+        coord.store_mask(200, 4, tail_tokens=-1)
     with pytest.raises(ValueError, match="hit 80 is not a multiple of the alignment 64"):
         coord.tail_hits(80, 200, 4, [[], []], 1)
     with pytest.raises(ValueError, match="unit must be a positive int"):

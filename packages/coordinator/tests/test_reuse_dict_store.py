@@ -1,11 +1,9 @@
 """Reuse without Mooncake: a dict-backed store answers readability, the coordinator is
-used unchanged. Blocks are keyed by a chain hash of the tokens up to the block's end,
-as a prefix cache keys them, so a request that diverges from a stored one stops matching
-at the divergence."""
+used unchanged. Blocks are keyed as the integration keys them, by `hybridkv.keys`: the
+chain hash at the block's end, rendered into a hybrid key, so a request that diverges
+from a stored one stops matching at the divergence."""
 
 from __future__ import annotations
-
-import hashlib
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +16,9 @@ from hybridkv.coordinator import (
     marked_blocks,
     scatter_readable,
 )
+from hybridkv.keys import BlockHasher, KeyRenderer
+
+HASH_UNIT = 16  # divides every block size below; prompt tails lie on its multiples
 
 
 class DictStore:
@@ -38,24 +39,30 @@ class DictStore:
         return self.objects[key]
 
 
+def hashed(tokens: list[int]) -> BlockHasher:
+    hasher = BlockHasher(HASH_UNIT, "")
+    hasher.extend(tokens)
+    return hasher
+
+
+def renderer(coord: Coordinator, group: int) -> KeyRenderer:
+    size = coord.groups[group].block_size
+    return KeyRenderer.hybrid("tiny", "0f", group=group, block_size=size, pp_rank=None)
+
+
 def block_keys(coord: Coordinator, tokens: list[int]) -> list[list[str]]:
-    """Per group, one key per full block: group id plus the chain hash at the block end."""
-    keys = []
-    for group, kind in enumerate(coord.groups):
-        chain = b""
-        group_keys = []
-        for start in range(0, len(tokens) - kind.block_size + 1, kind.block_size):
-            block = tokens[start : start + kind.block_size]
-            chain = hashlib.sha256(chain + repr(block).encode()).digest()
-            group_keys.append(f"group{group}@{chain.hex()}")
-        keys.append(group_keys)
-    return keys
+    """Per group, one key per full block (one storing head)."""
+    hasher = hashed(tokens)
+    return [
+        renderer(coord, group).render_all(hasher.hashes_for(kind.block_size), [0])
+        for group, kind in enumerate(coord.groups)
+    ]
 
 
-def save(coord: Coordinator, store: DictStore, tokens: list[int]) -> int:
+def save(coord: Coordinator, store: DictStore, tokens: list[int], tail_unit: int = 0) -> int:
     keys = block_keys(coord, tokens)
     saved = 0
-    for group, mask in enumerate(coord.store_mask(len(tokens))):
+    for group, mask in enumerate(coord.store_mask(len(tokens), tail_unit)):
         for block in (index for index, keep in enumerate(mask) if keep):
             store.put(keys[group][block], f"kv of {keys[group][block]}".encode())
             saved += 1
@@ -115,3 +122,58 @@ def test_the_hit_is_the_aligned_shared_prefix(stored: int, shared: int, extra: i
     hit, _ = load(coord, store, second)
     common = min(shared, stored, len(second) - 1)
     assert hit == common // coord.alignment * coord.alignment
+
+
+def tail_keys(coord: Coordinator, tokens: list[int], at: int) -> list[str]:
+    """The keys of the partial objects a prompt tail at `at` keeps, one per group that
+    keeps one."""
+    tail_hash = hashed(tokens[:at]).boundary_hash(at)
+    return [
+        renderer(coord, group).render(tail_hash, 0)
+        for group, mask in enumerate(coord.tail_hit(at).load_masks)
+        if mask[-1]
+    ]
+
+
+def load_with_tail(coord: Coordinator, store: DictStore, tokens: list[int]) -> int:
+    """The aligned hit from one batched query, then the largest tail whose partial
+    objects the store holds."""
+    keys = block_keys(coord, tokens)
+    cap = len(tokens) - 1
+    mask = coord.lookup_mask(cap, len(tokens), HASH_UNIT)
+    asked = marked_blocks(mask)
+    answers = store.batch_exists([keys[group][block] for group, block in asked])
+    readable = scatter_readable(mask, answers)
+    hit = coord.find_hit(cap, readable, len(tokens))
+    for tail in coord.tail_hits(hit.tokens, cap, HASH_UNIT, readable, 512):
+        if all(store.batch_exists(tail_keys(coord, tokens, tail.tokens))):
+            return tail.tokens
+    return hit.tokens
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data(), st.integers(1, 700), st.integers(1, 300))
+def test_a_prompt_diverging_at_d_resumes_at_its_last_tail_before_d(
+    data: st.DataObject, stored: int, extra: int
+) -> None:
+    """Attention blocks of 64 beside states of 128, tails every 16 tokens: a request
+    sharing `shared` tokens with a stored prompt resumes at the last of the prompt's
+    tails (or aligned boundaries) within them, never past them. (A tail in the prompt's
+    last 64 tokens past its last aligned boundary needs a block that boundary does not.)"""
+    coord = Coordinator([FullAttention(64), RecurrentState(128)])
+    store = DictStore()
+    first = list(range(stored))
+    save(coord, store, first, HASH_UNIT)
+    inside = [t for t in range(HASH_UNIT, stored + 1, HASH_UNIT) if coord.is_tail_boundary(t)]
+    tails = data.draw(st.lists(st.sampled_from(inside), max_size=3)) if inside else []
+    if inside and data.draw(st.booleans(), label="the prompt's last tail"):
+        tails.append(inside[-1])
+    for at in tails:
+        for key in tail_keys(coord, first, at):
+            store.put(key, b"partial")
+    shared = data.draw(st.one_of(st.just(stored), st.integers(0, stored)), label="shared")
+    second = [*first[:shared], *range(10_000, 10_000 + extra)]
+    common = min(shared, len(second) - 1)
+    aligned = common // coord.alignment * coord.alignment
+    expected = max([aligned, *(t for t in tails if t <= common)])
+    assert load_with_tail(coord, store, second) == expected

@@ -192,7 +192,7 @@ class SchedulerSide:
             tracked = _Tracked(
                 request=request,
                 hashes=RequestHashes(self.plan, self.config.namespace, request, self.generation),
-                store_mask=self._store_mask(request.num_prompt_tokens),
+                store_mask=self._store_mask(request.num_prompt_tokens, request),
                 mask_tokens=request.num_prompt_tokens,
                 scanned=[0] * len(self.plan.groups),
                 prompt_tokens=request.num_prompt_tokens,
@@ -200,12 +200,15 @@ class SchedulerSide:
             self._tracked[request.request_id] = tracked
         return tracked
 
-    def _store_mask(self, tokens: int) -> Masks:
-        """What to save of a request's first `tokens` tokens. With `save_decode_cache` the
-        request goes on and stores EAGLE's dropped block past them too, so a later one can
-        hit at `tokens` itself: its state there is worth keeping."""
+    def _store_mask(self, tokens: int, request: Any) -> Masks:
+        """What to save of a request's first `tokens` tokens, with the whole blocks its
+        prompt's tails need. With `save_decode_cache` the request goes on and stores
+        EAGLE's dropped block past them too, so a later one can hit at `tokens` itself:
+        its state there is worth keeping."""
         reach = self.coordinator.eagle_tokens if self.config.save_decode_cache else 0
-        return self.coordinator.store_mask(tokens + reach)
+        return self.coordinator.store_mask(
+            tokens + reach, self._tail_unit, request.num_prompt_tokens
+        )
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
@@ -224,7 +227,7 @@ class SchedulerSide:
             return 0, False
         tracked = self._track(request)
         tracked.hashes.cover(request.all_token_ids, known)
-        mask = self.coordinator.lookup_mask(max_tokens, known)
+        mask = self.coordinator.lookup_mask(max_tokens, known, self._tail_unit)
         readable = self._readable(tracked, mask, num_computed)
         if readable is None:
             return 0, False
@@ -644,7 +647,7 @@ class SchedulerSide:
             hashes = tracked.hashes.for_group(size)
             ids = table[plan.vllm_group_id]
             if complete * size > tracked.mask_tokens:  # decode went past the mask
-                tracked.store_mask = self._store_mask(upto)
+                tracked.store_mask = self._store_mask(upto, request)
                 tracked.mask_tokens = upto
             mask = tracked.store_mask[group]
             for block in range(first, min(complete, len(ids))):

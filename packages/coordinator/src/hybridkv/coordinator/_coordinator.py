@@ -8,6 +8,7 @@ It never talks to a store: readability comes in as plain data or a callable, so 
 
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -260,34 +261,60 @@ class Coordinator:
             group = (group + 1) % len(self._groups)
         return Hit(tokens, self._needed_masks(tokens))
 
-    def lookup_mask(self, max_tokens: int, known_tokens: int | None = None) -> Masks:
+    def lookup_mask(
+        self, max_tokens: int, known_tokens: int | None = None, tail_unit: int = 0
+    ) -> Masks:
         """Blocks to ask the store about so one batched query decides any hit.
 
         Covers every boundary `find_hit(max_tokens, ..., known_tokens)` can land on, with
         EAGLE's extra block. Under retention too: a shorter request keeps its replay
-        boundaries, which need not be retained ones, and a longer one must find them.
+        boundaries, which need not be retained ones, and a longer one must find them. With
+        `tail_unit`, also the whole blocks of every tail `tail_hits` may try up to
+        `max_tokens` (they can lie past the last aligned boundary, or between two).
         """
         max_tokens = _require_count("max_tokens", max_tokens)
         known = self._known(max_tokens, known_tokens)
         top = self.max_boundary(max_tokens, known)
-        boundaries = range(self._alignment, top + 1, self._alignment)
+        unit = self._tail_unit(tail_unit)
+        aligned = range(self._alignment, top + 1, self._alignment)
         return tuple(
-            self._reach_mask(group, boundaries, known) for group in range(len(self._groups))
+            self._reach_mask(
+                group, heapq.merge(aligned, self._tails(group, unit, max_tokens)), known
+            )
+            for group in range(len(self._groups))
         )
 
-    def store_mask(self, num_tokens: int) -> Masks:
+    def store_mask(
+        self, num_tokens: int, tail_unit: int = 0, tail_tokens: int | None = None
+    ) -> Masks:
         """Blocks to persist after computing `num_tokens` so later lookups can hit.
 
         Dense groups keep every block some reachable boundary needs; sparse groups keep
         only the windows/snapshots of aligned boundaries (under retention, of every k-th
         one and of the two replay boundaries: a resend capped at `num_tokens - 1` and an
-        extension capped at `num_tokens`, both knowing the blocks of `num_tokens`).
+        extension capped at `num_tokens`, both knowing the blocks of `num_tokens`). With
+        `tail_unit`, also the whole blocks of the prompt tails stored up to `tail_tokens`
+        (default and at most `num_tokens`): every one in dense groups, under retention
+        only the two replay tails in sparse ones. (Each tail's partial block is its own
+        object, not in the mask.)
         """
         num_tokens = _require_count("num_tokens", num_tokens)
+        tail_stop = num_tokens
+        if tail_tokens is not None:
+            tail_stop = min(tail_stop, _require_count("tail_tokens", tail_tokens))
+        unit = self._tail_unit(tail_unit)
         top = self.max_boundary(num_tokens)
-        replays = (top, self.max_boundary(max(0, num_tokens - 1), num_tokens))
+        replays = (
+            top,
+            self.max_boundary(max(0, num_tokens - 1), num_tokens),
+            # The tails a resend (capped below the prompt's end) and an extension find.
+            self._last_tail(unit, tail_stop - 1),
+            self._last_tail(unit, tail_stop),
+        )
         return tuple(
-            self._reach_mask(group, self._boundaries(group, top, replays), num_tokens)
+            self._reach_mask(
+                group, self._boundaries(group, top, replays, unit, tail_stop), num_tokens
+            )
             for group in range(len(self._groups))
         )
 
@@ -410,19 +437,66 @@ class Coordinator:
             columns.append(_ListColumn(values))
         return columns
 
-    def _boundaries(self, group: int, top: int, replays: Iterable[int]) -> Iterable[int]:
-        """Ascending boundaries <= `top` whose needs this group keeps."""
+    def _boundaries(
+        self, group: int, top: int, replays: Iterable[int], unit: int, tail_stop: int
+    ) -> Iterable[int]:
+        """Ascending boundaries whose needs this group keeps: aligned ones up to `top` and
+        tails up to `tail_stop` (under retention, sparse groups only every k-th aligned
+        one and the `replays`)."""
         step = self._alignment
         if self._retention == 1 or not self._groups[group].sparse:
-            return range(step, top + 1, step)
+            return heapq.merge(range(step, top + 1, step), self._tails(group, unit, tail_stop))
         retained = set(range(step * self._retention, top + 1, step * self._retention))
         retained.update(replay for replay in replays if replay > 0)
         return sorted(retained)
 
-    def _reach_mask(self, group: int, boundaries: Iterable[int], tokens: int) -> tuple[bool, ...]:
-        """Union of the reach of `boundaries` over the full blocks of `tokens` tokens.
+    def _tail_unit(self, unit: int) -> int:
+        """`unit` if tails can exist: 0 where EAGLE drops a block (`tail_hits` then finds
+        none) or a block size divides it (no multiple ends inside every group's block)."""
+        unit = _require_count("tail_unit", unit)
+        if self._eagle_tokens or any(unit % group.block_size == 0 for group in self._groups):
+            return 0
+        return unit
 
-        Runs are merged before writing: reaches only move right as boundaries grow.
+    def _tails(self, group: int, unit: int, stop: int) -> list[int]:
+        """Ascending tails (multiples of `unit` ending inside a block of every group) up to
+        `stop` whose whole blocks in `group` no aligned boundary needs too.
+
+        Needs only slide right, so a tail in a block that an aligned boundary starts needs
+        a part of what that boundary does, and in each other block the block's first tail
+        needs all its later ones do: only those first tails are left, none at all where
+        the group's blocks are the alignment.
+        """
+        if not unit:
+            return []
+        size = self._groups[group].block_size
+        sizes = [kind.block_size for kind in self._groups]
+        found = []
+        for aligned in range(0, stop, self._alignment):
+            for start in range(aligned + size, min(aligned + self._alignment, stop), size):
+                tokens = (start // unit + 1) * unit
+                while tokens < start + size and not all([tokens % other for other in sizes]):
+                    tokens += unit
+                if tokens < start + size and tokens <= stop:
+                    found.append(tokens)
+        return found
+
+    def _last_tail(self, unit: int, stop: int) -> int:
+        """The largest tail up to `stop` (0: none)."""
+        if not unit:
+            return 0
+        tokens = max(0, stop) // unit * unit
+        while tokens > 0 and not self.is_tail_boundary(tokens):
+            tokens -= unit
+        return tokens
+
+    def _reach_mask(self, group: int, boundaries: Iterable[int], tokens: int) -> tuple[bool, ...]:
+        """Union of the reach of `boundaries` over the full blocks of `tokens` tokens (a
+        tail's stops before its partial block, which is an object of its own).
+
+        Runs are merged before writing: reaches that hold a block only move right as
+        boundaries grow (an empty one, at a tail needing nothing but its partial block,
+        can start past the next's).
         """
         kind = self._groups[group]
         first_needed, block_size, extra = kind.first_needed, kind.block_size, self._eagle[group]
@@ -430,10 +504,13 @@ class Coordinator:
         run_first = run_stop = 0
         for boundary in boundaries:  # the hot loop of lookups: `_reach` inlined
             first = first_needed(boundary)
+            stop = boundary // block_size + extra
+            if first >= stop:
+                continue
             if first > run_stop:
                 marks[run_first:run_stop] = [True] * (run_stop - run_first)
                 run_first = first
-            run_stop = boundary // block_size + extra
+            run_stop = stop
         marks[run_first:run_stop] = [True] * (run_stop - run_first)
         return tuple(marks)
 

@@ -47,7 +47,8 @@ class GroupKind(ABC):
         return self.block_size
 
     def first_needed(self, tokens: int) -> int:
-        """First block index needed at boundary `tokens` (> 0); never decreases with it."""
+        """First block index needed at boundary `tokens` (> 0). Over boundaries that need
+        some block before their own, it never decreases with them."""
         first = self.first_token_needed(tokens)
         if first >= tokens:  # the next token depends on no earlier one
             return -(-tokens // self.block_size)
