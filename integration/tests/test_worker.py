@@ -661,6 +661,33 @@ def test_a_background_load_waits_for_the_device_work_queued_before_it(rig: Any) 
     assert _background_loads_done(gated) == {"c"}
 
 
+def test_a_request_aborted_during_its_background_load_is_reported_once_the_load_ends(
+    rig: Any,
+) -> None:
+    """vLLM keeps the blocks of a request aborted while it waits for its KV until the
+    worker reports its load finished (`finished_recving`), and frees them then: the
+    load goes on, the request is reported only once nothing writes its blocks any more,
+    and it is reported (blocks never leak)."""
+    worker, caches, _ = rig
+    attn = caches["model.layers.0.attn"]
+    _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1)]))])
+    saved = attn[1].clone()
+    attn[4].zero_()
+    gate = _DeviceGate()
+    gated = WorkerSide(worker.keys, worker.engine, worker.strategy, 0, lambda: gate)
+    load = RequestTransfers(request_id="c", loads=_refs([(0, 0, 4)]), load_async=True)
+    gated.begin_step(HybridKVMetadata([load]))
+    gated.start_async_loads()
+    assert gated.finished({"c"}) == set()  # aborted: vLLM passes it as finished
+    assert not attn[4].any()  # the load has not written yet: not to be reported
+    gate.fired.set()
+    gated.end_step()
+    assert _background_loads_done(gated) == {"c"}
+    assert torch.equal(attn[4], saved)
+    assert gated.take_failed_requests() == set()
+    assert gated.finished(set()) == set()  # reported once
+
+
 def _keys(worker: WorkerSide, refs: list[BlockRef]) -> list[str]:
     return [worker.keys.keys(ref.group, [ref.block_hash], [0])[0] for ref in refs]
 
