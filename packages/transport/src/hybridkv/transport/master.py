@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib.util
 import os
 import shutil
@@ -103,23 +102,25 @@ def find_master_binary() -> Path:
     )
 
 
-_PR_SET_PDEATHSIG = 1
+# Run by the child's own interpreter before it execs the program: arming the signal in
+# the forked child (`preexec_fn`) would run Python between fork and exec, which can
+# deadlock where the parent has other threads (the vLLM process that embeds a master).
+# The signal survives exec; a parent dead before it was armed is caught by its pid.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """What the child runs before exec so that it gets SIGTERM when this process dies;
-    None off Linux or off the main thread (the signal would follow a thread that exits)."""
+def _dying_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv`, run so that the child gets SIGTERM when this process dies; as it is off
+    Linux or off the main thread (the signal would follow a thread that exits)."""
     if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-        return None
-    parent = os.getpid()
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork, not in the child
-
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # it died before the signal was armed
-            os._exit(1)
-
-    return die_with_parent
+        return list(argv)
+    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 _live: set[ChildProcess] = set()
@@ -150,8 +151,8 @@ class ChildProcess:
         with open(log_path, "ab") as log:
             self.log_start = log.tell()  # a reused log: what this child writes comes after
             self._popen = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, preexec_fn=_parent_death_signal(),
+                _dying_with_parent(argv), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         with _live_lock:
             _live.add(self)
