@@ -207,6 +207,7 @@ def test_a_finished_id_reused_in_the_same_step_keeps_the_new_request_s_loads(
     assert side.num_new_matched_tokens(again, 0) == (96, True)
     side.after_alloc(again, ([11, 12, 13, 14, 15, 16, 17],), 96)
     meta = side.build_meta(scheduler_output(finished={"r"}))
+    assert meta.finished == {"r"}  # the workers release the old one's keys first
     (transfers,) = meta.requests
     assert transfers.request_id == "r"
     assert [(ref.index, ref.block_id) for ref in transfers.loads] == [(0, 11), (1, 12), (2, 13)]
@@ -601,6 +602,30 @@ def test_prefixes_a_request_skipping_vllms_prefix_cache_computes_are_not_fresh(
     skipping = request("a", TOKENS[:100], skip_reading_prefix_cache=True)
     _admitted(side, skipping, ([40, 41, 42, 43],))
     assert _admitted(side, request("b", TOKENS), ([1, 2, 3, 4, 5, 6, 7],), 64).requests == []
+
+
+def test_a_request_whose_background_load_keeps_failing_is_computed_not_looked_up_for_ever(
+    vllm_specs: Any,
+) -> None:
+    """A read failing with no object to blame (the client or the link failed) quarantines
+    nothing: vLLM looks the request up again from token 0 and the pool offers the same
+    hit. After a second failed load the request gets none, so vLLM computes it; another
+    request, and the same id once it finished, still hit."""
+    side, pool = _side(
+        vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2), load_async=True
+    )
+    _store(side, pool, TOKENS, [0], 128)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    r = request("r", TOKENS)
+    for _ in range(2):
+        assert side.num_new_matched_tokens(r, 0) == (128, True)
+        side.after_alloc(r, table, 128)
+        side.build_meta(scheduler_output())  # the background load goes out
+        side.loads_failed(["r"], [])  # and fails, no key blamed
+    assert side.num_new_matched_tokens(r, 0) == (0, False)
+    assert side.num_new_matched_tokens(request("s", TOKENS), 0) == (128, True)
+    side.forget("r")
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (128, True)
 
 
 def test_a_tainted_request_whose_background_load_failed_stays_unsaved(
@@ -1007,6 +1032,60 @@ def test_a_tail_past_the_last_aligned_boundary_is_found_with_smaller_attention_b
     assert sorted(ref.index for ref in saves if ref.group == 0 and not ref.tail) == list(range(15))
     assert {(ref.group, ref.index) for ref in saves if ref.tail == 248} == {(0, 15), (1, 3)}
     assert side.num_new_matched_tokens(request("again", prompt), 0) == (248, False)
+
+
+@pytest.mark.parametrize("tail_unit", [0, 8])
+def test_decode_saves_the_attention_blocks_a_later_boundary_needs_that_the_prompt_s_did_not(
+    vllm_specs: Any, tail_unit: int
+) -> None:
+    """With `save_decode_cache`, attention blocks of 16 beside states of 64: blocks 5 and
+    6 complete (at 96 and 112) before any boundary needs them; the boundary at 128 does.
+    They are saved once decode grows the mask there, so a reader hits at 128."""
+    side, pool = _tail_side(vllm_specs, tail_unit, block_sizes=(16, 64), save_decode_cache=True)
+    writer = request("w", TOKENS[:100])
+    side.after_alloc(writer, ([], []), 0)
+    tables = ([100 + b for b in range(16)], [200 + b for b in range(4)])
+    saves = []
+    outputs = [scheduler_output(new=[("w", tables, 0, 100)], tables={"w": tables})]
+    for done in range(100, 140):  # then one generated token a step
+        outputs.append(scheduler_output(cached=[("w", done, 1)], tables={"w": tables}))
+    for step, output in enumerate(outputs):
+        if step:
+            writer.all_token_ids.append(TOKENS[len(writer.all_token_ids)])
+            writer.num_tokens += 1
+        for transfers in side.build_meta(output).requests:
+            saves.extend(transfers.saves)
+    whole = [ref for ref in saves if not ref.tail]
+    assert sorted(ref.index for ref in whole if ref.group == 0) == list(range(8))
+    assert len({(ref.group, ref.index) for ref in whole}) == len(whole)  # each once
+    for ref in saves:
+        pool.keys.update(side.keys.keys(ref.group, [ref.block_hash], [0]))
+    reader = request("r", [*TOKENS[:139], 1, 2, 3])
+    assert side.num_new_matched_tokens(reader, 0) == (128, False)
+
+
+def test_a_streaming_session_s_next_chunk_saves_the_attention_blocks_its_boundaries_need(
+    vllm_specs: Any,
+) -> None:
+    """A 100-token first chunk leaves attention block 5 (tokens 80-95) unsaved: no boundary
+    up to 100 needs it. The next chunk grows the prompt to 160, whose boundary at 128
+    does: it is saved then."""
+    side, _ = _tail_side(vllm_specs, block_sizes=(16, 64))
+    session = request("w", TOKENS[:100])
+    side.after_alloc(session, ([], []), 0)
+    tables = ([100 + b for b in range(16)], [200 + b for b in range(4)])
+    saves = []
+    output = scheduler_output(new=[("w", tables, 0, 100)], tables={"w": tables})
+    saves.extend(ref for t in side.build_meta(output).requests for ref in t.saves)
+    assert 5 not in {ref.index for ref in saves if ref.group == 0 and not ref.tail}
+    session.all_token_ids = TOKENS[:160]
+    session.num_prompt_tokens = session.num_tokens = 160
+    session.num_computed_tokens = 100
+    side.after_alloc(session, tables, 0)
+    output = scheduler_output(new=[("w", tables, 100, 60)], tables={"w": tables})
+    saves.extend(ref for t in side.build_meta(output).requests for ref in t.saves)
+    attention_blocks = sorted(ref.index for ref in saves if ref.group == 0 and not ref.tail)
+    assert attention_blocks == list(range(9))
 
 
 def test_a_tail_query_without_answer_keeps_the_aligned_hit_and_is_no_failed_lookup(

@@ -688,6 +688,28 @@ def test_a_request_aborted_during_its_background_load_is_reported_once_the_load_
     assert gated.finished(set()) == set()  # reported once
 
 
+def test_a_finished_id_reused_in_the_same_step_saves_the_new_request_s_blocks(
+    rig: Any,
+) -> None:
+    """vLLM may schedule a new request under the id of one finished since the last step
+    (ids kept as sent), in the step whose `finished_req_ids` name it: the old owner's keys
+    are released before the step claims the new one's, so neither its saves nor those
+    of the step's other requests are refused."""
+    worker, _, store = rig
+    _step(worker, [RequestTransfers(request_id="a", saves=[BlockRef(0, 0, 1, b"\x01" * 32)])])
+    reused = BlockRef(0, 0, 2, b"\x02" * 32)  # block 0 again, of another prompt
+    other = BlockRef(0, 0, 3, b"\x03" * 32)
+    step = [
+        RequestTransfers(request_id="a", saves=[reused]),
+        RequestTransfers(request_id="b", saves=[other]),
+    ]
+    worker.begin_step(HybridKVMetadata(step, finished=frozenset({"a"})))
+    worker.start_async_loads()
+    worker.end_step()
+    worker.barrier()
+    assert store.batch_is_readable(_keys(worker, [reused, other])) == [True, True]
+
+
 def _keys(worker: WorkerSide, refs: list[BlockRef]) -> list[str]:
     return [worker.keys.keys(ref.group, [ref.block_hash], [0])[0] for ref in refs]
 

@@ -285,3 +285,13 @@ def test_store_then_lookup_finds_the_tail(
         if case.retention == 1 or kept:
             assert got == max(kept, default=aligned), length
         assert got == aligned or got in usable, length
+
+
+@settings(max_examples=200, deadline=None)
+@given(KINDS)
+def test_needs_slide_right_as_the_boundary_grows(kind: GroupKind) -> None:
+    """What the coordinator's jumps and its tail pruning rely on of every kind: the first
+    block needed, or the block holding the boundary where it needs none before, never
+    moves left."""
+    firsts = [min(kind.first_needed(t), t // kind.block_size) for t in range(1, 1200)]
+    assert firsts == sorted(firsts)

@@ -51,6 +51,9 @@ class HybridKVMetadata(KVConnectorMetadata):
     `hold_saves`: the step saves a recurrent state that vLLM moves into its block only
     after sampling (a decode step whose draft tokens cross the block's end): no put may
     go out before `wait_for_save`.
+    `finished`: the requests vLLM finished since the last step: what they own is released
+    before this step claims anything, as vLLM may schedule a new request under a finished
+    one's id in this very step.
     """
 
     def __init__(
@@ -59,11 +62,13 @@ class HybridKVMetadata(KVConnectorMetadata):
         generation: int = 0,
         idle: bool = False,
         hold_saves: bool = False,
+        finished: frozenset[str] = frozenset(),
     ) -> None:
         self.requests: list[RequestTransfers] = requests or []
         self.generation = generation
         self.idle = idle
         self.hold_saves = hold_saves
+        self.finished = finished
 
     def __repr__(self) -> str:
         loads = sum(len(r.loads) for r in self.requests)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.coordinator import Hit, Masks, RecurrentState
+from hybridkv.coordinator import FullAttention, Hit, Masks, RecurrentState
 from hybridkv.integration.checkpoints import Checkpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.events import EventBuilder
@@ -39,6 +39,10 @@ NULL_BLOCK_ID = 0
 # Tail boundaries a lookup asks about: the largest whose whole blocks are readable (and
 # those inside the block after the aligned hit besides).
 MAX_TAIL_CANDIDATES = 512
+# Background loads a request may fail before the pool is no longer asked for it: vLLM
+# looks a request up again after one, and a failure no object is blamed for (the client
+# or the link failed) quarantines nothing, so the same hit would fail for ever.
+MAX_FAILED_BACKGROUND_LOADS = 2
 
 Query = Callable[[Sequence[str]], "list[bool] | None"]
 # A request's block table in a step (in the one vLLM group of a model with one), the
@@ -149,6 +153,8 @@ class SchedulerSide:
         # Requests that hold KV from before a reset (running, or loading in the background)
         # until vLLM looks them up afresh: never saved under the new generation's keys.
         self._stale: set[str] = set()
+        # Requests whose background loads failed, and how often (until they finish).
+        self._failed_loads: dict[str, int] = {}
         self._fresh = FreshPrefixes()
         # Local block ids holding KV computed over a failed synchronous load (vLLM reports
         # those by id for a model of one KV cache group only): block id -> how many of its
@@ -188,6 +194,7 @@ class SchedulerSide:
         if tracked is not None and tracked.prompt_tokens != request.num_prompt_tokens:
             self._next_chunk(tracked, request.num_computed_tokens)
             tracked.prompt_tokens = request.num_prompt_tokens
+            self._regrow_mask(tracked, max(tracked.mask_tokens, request.num_prompt_tokens))
         if tracked is None:
             tracked = _Tracked(
                 request=request,
@@ -210,6 +217,24 @@ class SchedulerSide:
             tokens + reach, self._tail_unit, request.num_prompt_tokens
         )
 
+    def _regrow_mask(self, tracked: _Tracked, tokens: int) -> None:
+        """Make the store mask one for `tokens` tokens (a longer prompt, or generated
+        tokens past it). Full-attention blocks passed over because no boundary the old
+        mask covered needed them, and that a boundary of the new one does, are scanned
+        again (vLLM keeps them while the request runs; windows and states passed over may
+        be gone)."""
+        old = tracked.store_mask
+        tracked.store_mask = self._store_mask(tokens, tracked.request)
+        tracked.mask_tokens = tokens
+        for group, plan in enumerate(self.plan.groups):
+            if not isinstance(plan.kind, FullAttention):
+                continue
+            before, after = old[group], tracked.store_mask[group]
+            for block in range(min(tracked.scanned[group], len(after))):
+                if after[block] and not (block < len(before) and before[block]):
+                    tracked.scanned[group] = block
+                    break
+
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """(tokens to load beyond `num_computed`, load asynchronously?)."""
         self._stale.discard(request.request_id)  # vLLM computes it afresh
@@ -217,6 +242,8 @@ class SchedulerSide:
             self._track(request).skip_local_hit = True
         if not self._loads or not _has_token_ids(request):
             return 0, False  # a consumer told not to load, or no token ids to hash
+        if self._failed_loads.get(request.request_id, 0) >= MAX_FAILED_BACKGROUND_LOADS:
+            return 0, False  # vLLM computes it
         # vLLM computes at least the last token, but matches EAGLE's dropped block among
         # every full block of the request.
         known = request.num_tokens
@@ -513,7 +540,8 @@ class SchedulerSide:
             for (tracked, start, done, _), current in zip(scheduled, tables, strict=True):
                 hold |= self._plan_saves(tracked, start, done, current, step)
         idle = output.total_num_scheduled_tokens == 0
-        return HybridKVMetadata(list(step.values()), self.generation, idle, hold)
+        finished = frozenset(output.finished_req_ids)
+        return HybridKVMetadata(list(step.values()), self.generation, idle, hold, finished)
 
     def _follow_failed_loads(
         self,
@@ -609,6 +637,8 @@ class SchedulerSide:
             else request.num_prompt_tokens
         )
         upto = min(done, known)
+        if upto > tracked.mask_tokens:  # decode went past the mask: grow it, doubling
+            self._regrow_mask(tracked, max(upto, 2 * tracked.mask_tokens))
         saves: list[BlockRef] = []
         checkpoints: dict[int, Checkpoint] = {}
         prefill = start < max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's bound
@@ -646,9 +676,6 @@ class SchedulerSide:
             tracked.hashes.cover(request.all_token_ids, complete * size)
             hashes = tracked.hashes.for_group(size)
             ids = table[plan.vllm_group_id]
-            if complete * size > tracked.mask_tokens:  # decode went past the mask
-                tracked.store_mask = self._store_mask(upto, request)
-                tracked.mask_tokens = upto
             mask = tracked.store_mask[group]
             for block in range(first, min(complete, len(ids))):
                 source = sources.get(block, block)
@@ -747,9 +774,11 @@ class SchedulerSide:
         and `request_ids`, background loads that vLLM now computes from their first token
         (vLLM's `failed_recving`). Such a request is tracked afresh when vLLM asks for it
         again: its hit stops before the first failed block, and the blocks it computes
-        past that hit are saved. `unsaved` (request id, plan group, block index): blocks
-        whose read failed before the forward and saves the workers left out because their
-        step computed over a failed read; they are planned again. `invalid`: vLLM's block
+        past that hit are saved; after `MAX_FAILED_BACKGROUND_LOADS` failures it gets no
+        hit (the pool answered, but reading failed with no object to blame). `unsaved`
+        (request id, plan group, block index): blocks whose read failed before the forward
+        and saves the workers left out because their step computed over a failed read;
+        they are planned again. `invalid`: vLLM's block
         ids whose read failed before the forward: they, and every block after one in a
         table holding it, are saved by no request until a step has written them again
         over right KV (see `_heal`). vLLM rolls back only the first request holding such
@@ -782,6 +811,8 @@ class SchedulerSide:
             self.quarantined_keys += self.quarantine.add(keys)
         for request_id in request_ids:
             dropped = self._tracked.pop(request_id, None)
+            if dropped is not None:  # (not one that finished while it loaded)
+                self._failed_loads[request_id] = self._failed_loads.get(request_id, 0) + 1
             if dropped is not None and dropped.local_tokens is not None:
                 self._judge_local_hit(dropped, dropped.local_tokens)  # never scheduled
             if dropped is not None and dropped.tainted:
@@ -791,6 +822,7 @@ class SchedulerSide:
 
     def forget(self, request_id: str) -> None:
         self._stale.discard(request_id)
+        self._failed_loads.pop(request_id, None)
         self._tracked.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._ready.pop(request_id, None)

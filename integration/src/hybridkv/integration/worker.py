@@ -309,6 +309,8 @@ class WorkerSide:
         if meta.generation != self._generation:  # the scheduler reset the cache
             self.engine.release_all()
             self._generation = meta.generation
+        if meta.finished:  # (before a new request reusing one's id claims its keys)
+            self.engine.release(sorted(meta.finished))
         sync: list[BlockTransfer] = []
         saves: list[BlockTransfer] = []
         loaded_blocks = 0

@@ -4,7 +4,9 @@ Every kind answers the same two questions, so the coordinator never asks which k
 holds: the earliest token the next one depends on (the needs always end at the block
 holding the boundary's last token) and whether the kind takes part in EAGLE's dropped
 block. Needs only ever slide right as the boundary grows, which is what lets the
-coordinator skip past a miss.
+coordinator skip past a miss and leave out tails another boundary covers: precisely,
+`min(first_needed(T), T // block_size)` never decreases as T grows (`first_needed` alone
+may, past a boundary that needs nothing, as at a chunk's start).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class GroupKind(ABC):
         return self.block_size
 
     def first_needed(self, tokens: int) -> int:
-        """First block index needed at boundary `tokens` (> 0). Over boundaries that need
-        some block before their own, it never decreases with them."""
+        """First block index needed at boundary `tokens` (> 0); a subclass keeps
+        `min(first_needed(T), T // block_size)` from ever decreasing as T grows."""
         first = self.first_token_needed(tokens)
         if first >= tokens:  # the next token depends on no earlier one
             return -(-tokens // self.block_size)
