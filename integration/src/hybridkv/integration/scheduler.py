@@ -778,13 +778,12 @@ class SchedulerSide:
         hit (the pool answered, but reading failed with no object to blame). `unsaved`
         (request id, plan group, block index): blocks whose read failed before the forward
         and saves the workers left out because their step computed over a failed read;
-        they are planned again. `invalid`: vLLM's block
-        ids whose read failed before the forward: they, and every block after one in a
-        table holding it, are saved by no request until a step has written them again
-        over right KV (see `_heal`). vLLM rolls back only the first request holding such
-        a block; the others sharing it through its prefix cache wait for that one's
-        recompute, or (admitted before the failure was known, under async scheduling)
-        keep what they computed over it."""
+        they are planned again. `invalid`: vLLM's block ids whose read failed before the
+        forward: they, and every block after one in a table holding it, are saved by no
+        request until a step has written them again over right KV (see `_heal`). vLLM
+        rolls back only the first request holding such a block; the others sharing it
+        through its prefix cache wait for that one's recompute, or (admitted before the
+        failure was known, under async scheduling) keep what they computed over it."""
         invalid = set(invalid)
         if invalid and len(self.plan.groups) == 1:  # (hybrid models load in the background)
             size = self.plan.groups[0].block_size
