@@ -357,8 +357,8 @@ class Coordinator:
         limit = _require_count("limit", limit)
         if hit % self._alignment:
             raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
-        if self._eagle_tokens or any(unit % group.block_size == 0 for group in self._groups):
-            return []  # with a block size dividing the unit, no multiple ends inside a block
+        if not self._tail_unit(unit):
+            return []
         columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
         hits: list[Hit] = []
         tokens = max_tokens // unit * unit
@@ -470,12 +470,11 @@ class Coordinator:
         if not unit:
             return []
         size = self._groups[group].block_size
-        sizes = [kind.block_size for kind in self._groups]
         found = []
         for aligned in range(0, stop, self._alignment):
             for start in range(aligned + size, min(aligned + self._alignment, stop), size):
                 tokens = (start // unit + 1) * unit
-                while tokens < start + size and not all([tokens % other for other in sizes]):
+                while tokens < start + size and not self.is_tail_boundary(tokens):
                     tokens += unit
                 if tokens < start + size and tokens <= stop:
                     found.append(tokens)
