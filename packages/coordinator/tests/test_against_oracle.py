@@ -212,25 +212,23 @@ def test_tail_hit_matches_oracle(
         if data.draw(st.integers(0, 5), label="group keeps it") > 0
     }
     readable = reader(columns) if data.draw(st.booleans(), label="asked lazily") else columns
-    candidates = coord.tail_hits(hit.tokens, max_tokens, unit, readable, limit)
+    candidates = coord.tail_boundaries(hit.tokens, max_tokens, unit, readable, limit)
     assert len(candidates) <= limit
-    assert [tail.tokens for tail in candidates] == sorted(
-        {tail.tokens for tail in candidates}, reverse=True
-    )
-    assert all(coord.is_tail_boundary(tail.tokens) for tail in candidates)
-    assert all(tail == coord.tail_hit(tail.tokens) for tail in candidates)
+    assert candidates == sorted(set(candidates), reverse=True)
+    assert all(coord.is_tail_boundary(tokens) for tokens in candidates)
     # A group needs its partial object where its tail mask ends marked (a window of one
     # sees no earlier token, so needs none).
+    assert all(
+        coord.partial_groups(tokens)
+        == tuple(g for g, mask in enumerate(coord.tail_hit(tokens).load_masks) if mask[-1])
+        for tokens in candidates
+    )
     usable = [
-        tail
-        for tail in candidates
-        if all(
-            (group, tail.tokens) in stored_tails
-            for group, mask in enumerate(tail.load_masks)
-            if mask[-1]
-        )
+        tokens
+        for tokens in candidates
+        if all((group, tokens) in stored_tails for group in coord.partial_groups(tokens))
     ]
-    got = usable[0] if usable else hit
+    got = coord.tail_hit(usable[0]) if usable else hit
     expected = oracle.tail_hit(
         case.groups,
         case.alignment,
@@ -256,8 +254,8 @@ def _found(
     ]
     readable = scatter_readable(mask, answers)
     hit = coord.find_hit(length - 1, readable, length)
-    tails = coord.tail_hits(hit.tokens, length - 1, unit, readable, length) if unit else []
-    return hit.tokens, next((tail.tokens for tail in tails if tail.tokens in partials), hit.tokens)
+    tails = coord.tail_boundaries(hit.tokens, length - 1, unit, readable, length) if unit else []
+    return hit.tokens, next((tokens for tokens in tails if tokens in partials), hit.tokens)
 
 
 @settings(max_examples=300, deadline=None)

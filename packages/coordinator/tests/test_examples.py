@@ -11,7 +11,6 @@ from hybridkv.coordinator import (
     ChunkedLocal,
     Coordinator,
     FullAttention,
-    Hit,
     RecurrentState,
     SlidingWindow,
     marked_blocks,
@@ -238,21 +237,17 @@ def test_bad_configuration_is_refused_by_name(build: Any, message: str) -> None:
         build()
 
 
-def tokens_of(hits: list[Hit]) -> list[int]:
-    return [hit.tokens for hit in hits]
-
-
 def test_a_prompt_tail_extends_the_hit_inside_the_next_block() -> None:
     """Qwen3-Next on vLLM: attention and state share 640-token blocks; vLLM's own prefix
     cache hits at 64-token units, and a 2500-token prompt leaves its state at 2496."""
     coord = Coordinator([FullAttention(640), RecurrentState(640)])
     every = [[T] * 4, [T] * 4]
-    assert tokens_of(coord.tail_hits(1920, 2499, 64, every, 10)) == list(range(2496, 1920, -64))
-    assert tokens_of(coord.tail_hits(1920, 2499, 64, every, 3)) == [2496, 2432, 2368]
-    assert tokens_of(coord.tail_hits(1920, 1999, 64, every, 10)) == [1984]
-    assert coord.tail_hits(1920, 1920, 64, every, 10) == []
-    assert coord.tail_hits(1920, 2499, 64, every, 0) == []
-    assert tokens_of(coord.tail_hits(0, 200, 64, [[], []], 10)) == [192, 128, 64]
+    assert coord.tail_boundaries(1920, 2499, 64, every, 10) == list(range(2496, 1920, -64))
+    assert coord.tail_boundaries(1920, 2499, 64, every, 3) == [2496, 2432, 2368]
+    assert coord.tail_boundaries(1920, 1999, 64, every, 10) == [1984]
+    assert coord.tail_boundaries(1920, 1920, 64, every, 10) == []
+    assert coord.tail_boundaries(1920, 2499, 64, every, 0) == []
+    assert coord.tail_boundaries(0, 200, 64, [[], []], 10) == [192, 128, 64]
     hit = coord.tail_hit(2496)
     assert hit.tokens == 2496
     full, state = hit.load_masks
@@ -262,7 +257,7 @@ def test_a_prompt_tail_extends_the_hit_inside_the_next_block() -> None:
     assert not coord.is_tail_boundary(2560)
     # EAGLE's dropped block cannot reach past a partial one.
     eagle = Coordinator([FullAttention(640), RecurrentState(640)], use_eagle=True)
-    assert eagle.tail_hits(1920, 2499, 64, every, 10) == []
+    assert eagle.tail_boundaries(1920, 2499, 64, every, 10) == []
 
 
 def test_a_tail_can_lie_blocks_past_the_aligned_hit() -> None:
@@ -274,29 +269,40 @@ def test_a_tail_can_lie_blocks_past_the_aligned_hit() -> None:
     attention = [T] * 18  # blocks 0..17: tokens 0..1151
     readable = [attention, [F] * 18]
     assert coord.find_hit(1199, readable).tokens == 0  # no state at any block end
-    tails = coord.tail_hits(0, 1199, 16, readable, 4)
-    assert tokens_of(tails) == [1184, 1168, 1136, 1120]  # 1200 > max, 1152 a block end
-    assert blocks(tails[0].load_masks[0]) == list(range(19))  # 18 whole, the partial 18
-    assert blocks(tails[0].load_masks[1]) == [18]
+    tails = coord.tail_boundaries(0, 1199, 16, readable, 4)
+    assert tails == [1184, 1168, 1136, 1120]  # 1200 > max, 1152 a block end
+    attention, state = coord.tail_hit(tails[0]).load_masks
+    assert blocks(attention) == list(range(19))  # 18 whole, the partial 18
+    assert blocks(state) == [18]
+    assert coord.partial_groups(1184) == (0, 1)
     # A hole in the attention blocks: nothing past it, the search jumps straight below.
     holed = [[T] * 5 + [F] + [T] * 12, [F] * 18]
-    assert tokens_of(coord.tail_hits(0, 1199, 16, holed, 4)) == [368, 352, 336, 304]
-    assert tokens_of(coord.tail_hits(0, 1199, 16, lambda g, b: g == 0 and b != 5, 2)) == [
+    assert coord.tail_boundaries(0, 1199, 16, holed, 4) == [368, 352, 336, 304]
+    assert coord.tail_boundaries(0, 1199, 16, lambda g, b: g == 0 and b != 5, 2) == [
         368,
         352,
     ]
     # A unit that some block size divides leaves no boundary inside a block of every group.
     fine = Coordinator([FullAttention(16), RecurrentState(64)])
-    assert fine.tail_hits(0, 1 << 17, 16, [[T] * 8192, []], 4) == []
+    assert fine.tail_boundaries(0, 1 << 17, 16, [[T] * 8192, []], 4) == []
 
 
 def test_a_tail_inside_a_smaller_block_stops_before_it() -> None:
     coord = Coordinator([FullAttention(16), SlidingWindow(64, window=100)])
     readable = [[T] * 12, [T] * 3]
-    assert tokens_of(coord.tail_hits(64, 80, 4, readable, 8)) == [76, 72, 68]  # in block 4
+    assert coord.tail_boundaries(64, 80, 4, readable, 8) == [76, 72, 68]  # in block 4
     window = coord.tail_hit(76).load_masks[1]
     assert blocks(window) == [0, 1]  # tokens 0..75, the partial block 1 included
+    assert coord.partial_groups(76) == (0, 1)
     assert not coord.is_tail_boundary(80)  # a whole 16-token block ends there
+    # A window of one token sees no earlier token: no partial object of its own.
+    single = Coordinator([FullAttention(16), SlidingWindow(64, window=1)])
+    assert single.partial_groups(76) == (0,)
+    assert blocks(single.tail_hit(76).load_masks[1]) == []
+    # Nor does a chunk's first token (the chunk starts at 24, inside block 1).
+    chunked = Coordinator([FullAttention(16), ChunkedLocal(16, chunk=24)])
+    assert chunked.partial_groups(24) == (0,)
+    assert chunked.partial_groups(40) == (0, 1)
 
 
 def test_a_tail_past_the_last_aligned_boundary_finds_its_whole_blocks() -> None:
@@ -314,7 +320,7 @@ def test_a_tail_past_the_last_aligned_boundary_finds_its_whole_blocks() -> None:
     readable = scatter_readable(mask, answers)
     hit = coord.find_hit(499, readable, 500)
     assert hit.tokens == 384
-    assert tokens_of(coord.tail_hits(384, 499, 16, readable, 3)) == [496, 480, 464]
+    assert coord.tail_boundaries(384, 499, 16, readable, 3) == [496, 480, 464]
     # Past the last aligned boundary (640), the tail at 752 needs block 10; no tail is
     # stored past the prompt (500), so a decode up to 760 tokens need not keep it.
     assert blocks(coord.store_mask(760, tail_unit=16)[0]) == list(range(11))
@@ -348,11 +354,13 @@ def test_bad_calls_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="tail_tokens must be a non-negative int"):
         coord.store_mask(200, 4, tail_tokens=-1)
     with pytest.raises(ValueError, match="hit 80 is not a multiple of the alignment 64"):
-        coord.tail_hits(80, 200, 4, [[], []], 1)
+        coord.tail_boundaries(80, 200, 4, [[], []], 1)
+    with pytest.raises(ValueError, match="tokens 128 does not end inside a block of every"):
+        coord.partial_groups(128)
     with pytest.raises(ValueError, match="unit must be a positive int"):
-        coord.tail_hits(64, 200, 0, [[], []], 1)
+        coord.tail_boundaries(64, 200, 0, [[], []], 1)
     with pytest.raises(ValueError, match="limit must be a non-negative int"):
-        coord.tail_hits(64, 200, 4, [[], []], -1)
+        coord.tail_boundaries(64, 200, 4, [[], []], -1)
     with pytest.raises(ValueError, match=r"tokens 96 does not end inside a block of every"):
         coord.tail_hit(96)
     with pytest.raises(ValueError, match="tokens must be a non-negative int"):

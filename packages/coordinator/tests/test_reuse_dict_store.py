@@ -128,11 +128,7 @@ def tail_keys(coord: Coordinator, tokens: list[int], at: int) -> list[str]:
     """The keys of the partial objects a prompt tail at `at` keeps, one per group that
     keeps one."""
     tail_hash = hashed(tokens[:at]).boundary_hash(at)
-    return [
-        renderer(coord, group).render(tail_hash, 0)
-        for group, mask in enumerate(coord.tail_hit(at).load_masks)
-        if mask[-1]
-    ]
+    return [renderer(coord, group).render(tail_hash, 0) for group in coord.partial_groups(at)]
 
 
 def load_with_tail(coord: Coordinator, store: DictStore, tokens: list[int]) -> int:
@@ -145,9 +141,9 @@ def load_with_tail(coord: Coordinator, store: DictStore, tokens: list[int]) -> i
     answers = store.batch_exists([keys[group][block] for group, block in asked])
     readable = scatter_readable(mask, answers)
     hit = coord.find_hit(cap, readable, len(tokens))
-    for tail in coord.tail_hits(hit.tokens, cap, HASH_UNIT, readable, 512):
-        if all(store.batch_exists(tail_keys(coord, tokens, tail.tokens))):
-            return tail.tokens
+    for tail in coord.tail_boundaries(hit.tokens, cap, HASH_UNIT, readable, 512):
+        if all(store.batch_exists(tail_keys(coord, tokens, tail))):
+            return tail
     return hit.tokens
 
 

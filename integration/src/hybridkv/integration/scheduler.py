@@ -356,16 +356,15 @@ class SchedulerSide:
         near = min(max_tokens, floor + self._smallest_block - 1)
         windows = ((max_tokens, MAX_TAIL_CANDIDATES), (near, -(-self._smallest_block // unit)))
         candidates = {
-            tail.tokens: tail
+            tokens
             for stop, limit in windows
-            for tail in self.coordinator.tail_hits(floor, stop, unit, readable, limit)
-            if tail.tokens > local
+            for tokens in self.coordinator.tail_boundaries(floor, stop, unit, readable, limit)
+            if tokens > local
         }
-        tails = [candidates[tokens] for tokens in sorted(candidates, reverse=True)]
+        tails = sorted(candidates, reverse=True)
         token_ids = tracked.request.all_token_ids
-        hashes = [tracked.hashes.prefix(token_ids, tail.tokens) for tail in tails]
-        # Per tail, the groups keeping a partial block there (the last one they need).
-        keeping = [[g for g, mask in enumerate(tail.load_masks) if mask[-1]] for tail in tails]
+        hashes = [tracked.hashes.prefix(token_ids, tokens) for tokens in tails]
+        keeping = [self.coordinator.partial_groups(tokens) for tokens in tails]
         probes = [(groups[0], [h]) for groups, h in zip(keeping, hashes, strict=True) if groups]
         answers = self._every_head_readable(probes) if probes else []
         if answers is None:
@@ -379,7 +378,7 @@ class SchedulerSide:
         others = iter(answers)
         for i in found:  # largest first
             if all([next(others)[0] for _ in keeping[i][1:]]):  # a list: take every answer
-                return tails[i]
+                return self.coordinator.tail_hit(tails[i])
         return hit
 
     def _every_head_readable(
@@ -754,12 +753,12 @@ class SchedulerSide:
             return []
         tail_hash = tracked.hashes.prefix(request.all_token_ids, tokens)
         saves = []
-        for group, mask in enumerate(self.coordinator.tail_hit(tokens).load_masks):
+        for group in self.coordinator.partial_groups(tokens):
             plan = self.plan.groups[group]
             block = tokens // plan.block_size
             source = sources.get(group, block)
             ids = table[plan.vllm_group_id]
-            if mask[-1] and source < len(ids) and ids[source] != NULL_BLOCK_ID:
+            if source < len(ids) and ids[source] != NULL_BLOCK_ID:
                 saves.append(BlockRef(group, block, ids[source], tail_hash, tail=tokens))
         return saves
 

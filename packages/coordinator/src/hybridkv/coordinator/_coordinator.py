@@ -269,7 +269,7 @@ class Coordinator:
         Covers every boundary `find_hit(max_tokens, ..., known_tokens)` can land on, with
         EAGLE's extra block. Under retention too: a shorter request keeps its replay
         boundaries, which need not be retained ones, and a longer one must find them. With
-        `tail_unit`, also the whole blocks of every tail `tail_hits` may try up to
+        `tail_unit`, also the whole blocks of every tail `tail_boundaries` may try up to
         `max_tokens` (they can lie past the last aligned boundary, or between two).
         """
         max_tokens = _require_count("max_tokens", max_tokens)
@@ -337,9 +337,9 @@ class Coordinator:
         tokens = _require_count("tokens", tokens)
         return tokens > 0 and all(tokens % group.block_size for group in self._groups)
 
-    def tail_hits(
+    def tail_boundaries(
         self, hit: int, max_tokens: int, unit: int, readable: Readable, limit: int
-    ) -> list[Hit]:
+    ) -> list[int]:
         """Where a prefix cut mid-block could extend aligned hit `hit`, largest first.
 
         The `limit` largest multiples of `unit` in (`hit`, `max_tokens`] that end inside a
@@ -348,7 +348,9 @@ class Coordinator:
         the tail. They may lie blocks past `hit`: a Mamba group whose prompt's last chunk
         left its state only at a checkpoint inside it has no state at the block ends in
         between, while attention keeps every block. None when a group drops EAGLE's block
-        (it would have to reach past a partial one).
+        (it would have to reach past a partial one). Token counts only: a lookup may weigh
+        hundreds, and `partial_groups` says what the next query needs of each, while
+        `tail_hit` builds the masks of the one taken.
         """
         hit = _require_count("hit", hit)
         max_tokens = _require_count("max_tokens", max_tokens)
@@ -360,19 +362,19 @@ class Coordinator:
         if not self._tail_unit(unit):
             return []
         columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
-        hits: list[Hit] = []
+        boundaries: list[int] = []
         tokens = max_tokens // unit * unit
-        while tokens > hit and len(hits) < limit:
+        while tokens > hit and len(boundaries) < limit:
             if not self.is_tail_boundary(tokens):
                 tokens -= unit
                 continue
             below = self._below_tail_miss(tokens, columns, unit)
             if below is None:
-                hits.append(Hit(tokens, self._needed_masks(tokens)))
+                boundaries.append(tokens)
                 tokens -= unit
             else:
                 tokens = below
-        return hits
+        return boundaries
 
     def _below_tail_miss(self, tokens: int, columns: Sequence[_Column], unit: int) -> int | None:
         """None if a tail at `tokens` has every whole block it needs readable, else the
@@ -388,12 +390,26 @@ class Coordinator:
     def tail_hit(self, tokens: int) -> Hit:
         """The hit of a prefix cut mid-block: per group the blocks needed at `tokens`, the
         last of them the partial block (`tokens // block_size`)."""
+        self._require_tail_boundary(tokens)
+        return Hit(tokens, self._needed_masks(tokens))
+
+    def partial_groups(self, tokens: int) -> tuple[int, ...]:
+        """The groups whose tail at `tokens` loads its partial block, the prefix's own
+        object (`tail_hit`'s masks end marked there): a group whose next token depends on
+        no earlier token (a window of one, a chunk's first token) needs none."""
+        self._require_tail_boundary(tokens)
+        return tuple(
+            group
+            for group, kind in enumerate(self._groups)
+            if kind.first_needed(tokens) <= tokens // kind.block_size
+        )
+
+    def _require_tail_boundary(self, tokens: int) -> None:
         if not self.is_tail_boundary(tokens):
             raise ValueError(
                 f"tokens {tokens} does not end inside a block of every group "
                 f"(block sizes {[group.block_size for group in self._groups]})"
             )
-        return Hit(tokens, self._needed_masks(tokens))
 
     def _reach(self, group: int, tokens: int) -> tuple[int, int]:
         """Blocks `[first, stop)` that must be readable for a hit at `tokens` (> 0)."""
@@ -451,7 +467,7 @@ class Coordinator:
         return sorted(retained)
 
     def _tail_unit(self, unit: int) -> int:
-        """`unit` if tails can exist: 0 where EAGLE drops a block (`tail_hits` then finds
+        """`unit` if tails can exist: 0 where EAGLE drops a block (`tail_boundaries` then finds
         none) or a block size divides it (no multiple ends inside every group's block)."""
         unit = _require_count("tail_unit", unit)
         if self._eagle_tokens or any(unit % group.block_size == 0 for group in self._groups):
