@@ -10,6 +10,8 @@ import os
 import random
 import sys
 import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -245,3 +247,40 @@ def test_the_pool_hands_out_disjoint_aligned_slabs_within_its_capacity(
         pool.free(slab)
     assert pool._free == [(0, capacity)]
     pool.close()
+
+
+def test_a_load_that_cannot_queue_a_part_frees_no_slab_before_the_parts_queued() -> None:
+    """A get thread that stops taking work (interpreter shutdown: `submit` raises) must
+    not leave a queued part writing a slab that the failing load freed for reuse."""
+    source, target = Caches(NUM_BLOCKS, seed=9), Caches(NUM_BLOCKS)
+    source.fill()
+    moved = transfers({1: list(range(6))}, prefix=unique_prefix())
+    options = PipelineOptions(granularity="staged", max_transfer_blocks=2)
+    slabs_held: list[int] = []
+
+    class SlowStore(MemoryStore):
+        def batch_get_whole(self, *args: Any) -> list[Status]:
+            time.sleep(0.2)  # the failing load has long unwound by now, if it did not wait
+            slabs_held.append(engine.staging.in_use)
+            return super().batch_get_whole(*args)
+
+    store = SlowStore()
+    with TransferEngine(store, source.layouts, options) as writer:
+        assert save(writer, moved, "whole").ok
+    with TransferEngine(store, target.layouts, options) as engine:
+        gets = engine.staging.gets
+        submitted = 0
+
+        def submit(*args: Any) -> Any:
+            nonlocal submitted
+            submitted += 1
+            if submitted == 2:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            return gets.submit(*args)
+
+        engine.staging.gets = SimpleNamespace(submit=submit, shutdown=gets.shutdown)  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="cannot schedule"):
+            engine.load(moved).wait(10)
+        assert slabs_held, "the load returned before the part it had queued ran"
+        assert all(held > 0 for held in slabs_held)
+        assert engine.staging.in_use == 0  # freed once the queued part was done

@@ -43,6 +43,8 @@ from hybridkv.transport.store import Store
 log = logging.getLogger(__name__)
 
 Rows = np.ndarray  # indices into a GroupBatch
+# Where staged rows sit: (slab, their slots, their cache blocks, runs of both or None).
+Placement = tuple[Slab, Rows, BlockIds, "list[tuple[int, int, int]] | None"]
 # A staged call is cut into about this many parts (none under MIN_PART_BYTES), so that the
 # copy of one part overlaps the store call of another.
 OVERLAP_PARTS = 8
@@ -221,6 +223,7 @@ class GroupBatch:
         self.alive = np.ones(len(transfers), dtype=bool)
         self.segments: list[Segment] = []  # staged runs of rows (empty: not staged)
         self._views: dict[int, Bytes] = {}
+        self._placements: dict[bytes, list[Placement]] = {}  # of these segments
 
     def live(self) -> Rows:
         return np.flatnonzero(self.alive)
@@ -234,6 +237,7 @@ class GroupBatch:
         any row got a slab. Contiguous objects get none: they move in place."""
         if self.layout.contiguous:
             return False
+        self._placements.clear()
         count, width = len(self.keys), self.layout.object_size
         live = self.live()
         live = live[live >= first]
@@ -266,6 +270,7 @@ class GroupBatch:
             if segment.slab is not None:
                 pool.free(segment.slab)
         self.segments = []
+        self._placements.clear()
 
     def copy_rows(
         self, rows: Rows, into_staging: bool, entries: Sequence[int] | None = None
@@ -278,19 +283,11 @@ class GroupBatch:
         a fragmented batch falls back to one indexed copy per entry.
         """
         indices = range(len(self.layout.entries)) if entries is None else entries
-        for segment in self.segments:
-            if segment.slab is None:
-                continue
-            low, high = np.searchsorted(rows, [segment.start, segment.stop])
-            if low == high:
-                continue
-            slots = rows[low:high] - segment.start
-            blocks = self.blocks[rows[low:high]]
-            runs = _runs(slots, blocks)
+        for slab, slots, blocks, runs in self._placement(rows):
             for index in indices:
                 start = self.layout.offset_of(index)
                 stop = start + self.layout.entries[index].block_bytes
-                staged = segment.slab.array[:, start:stop]
+                staged = slab.array[:, start:stop]
                 view = self._view(index)
                 if runs is None:
                     if into_staging:
@@ -303,6 +300,27 @@ class GroupBatch:
                         staged[slot : slot + count] = view[block : block + count]
                     else:
                         view[block : block + count] = staged[slot : slot + count]
+
+    def _placement(self, rows: Rows) -> list[Placement]:
+        """Per staged segment holding some of `rows`: its slab, their slots there, their
+        cache blocks and the runs of both. Worked out once per staging and set of rows: a
+        layerwise step copies the same rows once per layer."""
+        key = rows.astype(np.int64, copy=False).tobytes()
+        placement = self._placements.get(key)
+        if placement is not None:
+            return placement
+        placement = []
+        for segment in self.segments:
+            if segment.slab is None:
+                continue
+            low, high = np.searchsorted(rows, [segment.start, segment.stop])
+            if low == high:
+                continue
+            slots = rows[low:high] - segment.start
+            blocks = self.blocks[rows[low:high]]
+            placement.append((segment.slab, slots, blocks, _runs(slots, blocks)))
+        self._placements[key] = placement
+        return placement
 
     def _view(self, index: int) -> Bytes:
         view = self._views.get(index)
@@ -532,9 +550,11 @@ class Transfers:
         level: int,
     ) -> list[tuple[GroupBatch, int]]:
         assert self.pool is not None
-        calls = [self.pool.gets.submit(_guarded, send, part, operation) for part in parts]
+        calls: list[Future[list[Status]]] = []
         failed: list[tuple[GroupBatch, int]] = []
         try:
+            for part in parts:  # in the try: a failed submit still waits for those before
+                calls.append(self.pool.gets.submit(_guarded, send, part, operation))
             for part, done in zip(parts, calls, strict=True):
                 failed_here = self._settle(call, part, operation, done.result(), level)
                 self.fail(failed_here)  # before the copy: failed rows are never written
