@@ -35,7 +35,9 @@ and per-block objects: what host-side layout work costs when nothing overlaps it
 cores shared by client and holder, the loopback transfer leaves little room to overlap it).
 
 Starts its own master and segment holder on loopback; needs mooncake installed. Run:
-`python benchmarks/bench_transport.py [--blocks N] [--repeats R]`.
+`python benchmarks/bench_transport.py [--blocks N] [--repeats R] [--modes staged whole
+layer group] [--layouts per-layer block-major]` (about half an hour on 2 cores with every
+mode: ranged and multi-buffer moves of per-layer tensors take seconds a pass).
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ LAYOUTS = {
 
 def modes_for(block_major: bool) -> dict[str, str]:
     return {label: mode for label, mode in MODES.items() if mode != "layer" or not block_major}
+
+
+def keep_only(modes: list[str] | None) -> None:
+    """Run only these modes (`--modes`; default every one)."""
+    for label, mode in list(MODES.items()):
+        if modes is not None and mode not in modes:
+            del MODES[label]
 
 
 class Caches:
@@ -424,6 +433,7 @@ def cross_process(
     """A second process reads what the first wrote."""
     command = [sys.executable, __file__, "--reader", master, "--blocks", str(blocks)]
     command += ["--repeats", str(repeats), "--prefixes", json.dumps(prefixes)]
+    command += ["--modes", *MODES.values()]
     if block_major:
         command.append("--block-major")
     child = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
@@ -501,7 +511,17 @@ def main() -> int:
     parser.add_argument("--reader", help=argparse.SUPPRESS)  # master address (child)
     parser.add_argument("--prefixes", help=argparse.SUPPRESS)
     parser.add_argument("--block-major", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES.values()), help="default: every mode"
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["per-layer", "block-major"],
+        default=["per-layer", "block-major"],
+    )
     args = parser.parse_args()
+    keep_only(args.modes)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     if args.reader:
@@ -519,6 +539,8 @@ def main() -> int:
     holder_bytes = (len(MODES) + 2) * total + (256 << 20)
     with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
         for label, block_major in LAYOUTS.items():
+            if ("block-major" if block_major else "per-layer") not in args.layouts:
+                continue
             same, prefixes = same_process(master.address, args.blocks, args.repeats, block_major)
             cross = cross_process(master.address, args.blocks, args.repeats, block_major, prefixes)
             cleaner = raw_client(master.address)  # room in the holder for the next layout
