@@ -104,6 +104,13 @@ def test_the_files_of_vllm_and_vllm_ascend_load_unchanged(tmp_path: Path) -> Non
     assert placed.prefer_alloc_in_same_node is True
     named = MooncakeConfig.from_mapping({**ascend, "preferred_segment": "10.0.0.2:12345"})
     assert named.preferred_segment == "10.0.0.2:12345"
+    # A tenant reads as vLLM reads it (stripped; null or blank: the default one), so both
+    # connectors join the same tenant; anything else not a string fails.
+    for tenant in (None, "", "  "):
+        assert MooncakeConfig.from_mapping({**vllm, "tenant_id": tenant}).tenant_id == "default"
+    assert MooncakeConfig.from_mapping({**vllm, "tenant_id": " team "}).tenant_id == "team"
+    with pytest.raises(ValueError, match="tenant_id"):
+        MooncakeConfig.from_mapping({**vllm, "tenant_id": 7})
 
 
 def test_defaults_need_only_the_master() -> None:
