@@ -1,7 +1,7 @@
 """find_hit on a 131072-token request over four KV cache groups, next to a naive
 boundary-by-boundary search, and how many blocks `lookup_mask` asks the store about.
 
-Runs standalone (`python benchmarks/bench_coordinator.py [--repeat N]`) or under
+Runs standalone (`python benchmarks/bench_coordinator.py [--repeats N]`) or under
 `nox -s bench`. Prints figures and ratios to the 2 ms target; asserts nothing on time.
 The store query is excluded: readability is built once, as the integration builds it from
 one batched answer.
@@ -123,9 +123,9 @@ def bench_masks() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=200, help="timed calls per figure")
-    args, _ = parser.parse_known_args()  # nox passes its posargs to every bench script
-    bench_find_hit(args.repeat)
+    parser.add_argument("--repeats", type=int, default=200, help="timed calls per figure")
+    args = parser.parse_args()
+    bench_find_hit(args.repeats)
     bench_masks()
 
 
