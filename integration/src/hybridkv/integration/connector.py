@@ -339,9 +339,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             elif not self.config.load_async and transfer.kv_load_failure_policy == "recompute":
                 logger.info(
                     "hybridkv: pool hits load before the forward; vLLM caches their blocks "
-                    "before they arrive, and when a load fails a request sharing them in "
-                    "vLLM's prefix cache may compute over them (see docs/configuration.md); "
-                    "load_async=true avoids it"
+                    "before they arrive, and when a load fails, a request that hits them in "
+                    "vLLM's prefix cache before they are recomputed (the failed request "
+                    "preempted or cancelled first) computes over them (see "
+                    "docs/configuration.md); load_async=true avoids it"
                 )
             self._scheduler = SchedulerSide(
                 self.keys,
