@@ -109,8 +109,9 @@ def test_the_files_of_vllm_and_vllm_ascend_load_unchanged(tmp_path: Path) -> Non
     for tenant in (None, "", "  "):
         assert MooncakeConfig.from_mapping({**vllm, "tenant_id": tenant}).tenant_id == "default"
     assert MooncakeConfig.from_mapping({**vllm, "tenant_id": " team "}).tenant_id == "team"
-    with pytest.raises(ValueError, match="tenant_id"):
-        MooncakeConfig.from_mapping({**vllm, "tenant_id": 7})
+    for tenant in (7, 0, False):
+        with pytest.raises(ValueError, match="tenant_id"):
+            MooncakeConfig.from_mapping({**vllm, "tenant_id": tenant})
 
 
 def test_defaults_need_only_the_master() -> None:
