@@ -172,6 +172,22 @@ def test_under_retention_a_longer_request_resumes_where_a_shorter_one_ended() ->
     assert coord.find_hit(199, scatter_readable(mask, answers), 200).tokens == 96
 
 
+def test_under_retention_with_eagle_a_resend_keeps_the_blocks_of_its_hit() -> None:
+    """A resend of a stored 64-token prompt asks up to 63 tokens knowing all 64, so EAGLE's
+    dropped block lies among known ones and it resumes at 48 (not 32, as a request knowing
+    only 63 would): retention keeps the window blocks 48 needs, and no more."""
+    coord = Coordinator(
+        [FullAttention(16), SlidingWindow(16, window=16)],
+        alignment=16,
+        use_eagle=True,
+        retention_interval=3,
+    )
+    full, window = coord.store_mask(64)
+    assert blocks(full) == [0, 1, 2, 3]
+    assert blocks(window) == [2, 3]
+    assert coord.find_hit(63, [list(full), list(window)], 64).tokens == 48
+
+
 def test_with_eagle_a_block_aligned_prompt_loses_one_block_as_in_vllm() -> None:
     """vLLM's hybrid coordinator caps a 64-token prompt's hit at 63 tokens but matches the
     dropped block among all four full blocks: 48, not 32 (its single-group one, matching

@@ -115,6 +115,13 @@ def test_bad_arguments(
         layout_digest(tp_size, groups, namespace)  # type: ignore[arg-type]
 
 
+def test_a_stage_may_hold_no_layer() -> None:
+    """(start, end) with start == end: a stage of the partition holding none of the layers
+    the groups name is still a stage, and changes the digest."""
+    one = layout_digest(1, GROUPS, pp_stages=[(0, 2)])
+    assert layout_digest(1, GROUPS, pp_stages=[(0, 2), (2, 2)]) != one
+
+
 @pytest.mark.parametrize("stage", [(2, 1), (-1, 2), (0, True), (0,), "02", (0, 2.0)])
 def test_bad_stage_range(stage: object) -> None:
     with pytest.raises(ValueError, match=r"pp_stages\[1\] must be a \(start, end\) layer range"):

@@ -126,6 +126,18 @@ def test_rewinding_then_feeding_the_new_tokens_hashes_as_a_fresh_hasher(
         )
 
 
+def test_rewinding_inside_the_pending_block_keeps_the_tokens_before_the_position() -> None:
+    hasher = BlockHasher(4, "ns")
+    hasher.extend(range(10))  # blocks 0..7, tokens 8 and 9 pending
+    hasher.rewind(9)
+    assert hasher.num_tokens == 9  # token 8 stays: nothing to feed again
+    hasher.extend([99])
+    fresh = BlockHasher(4, "ns")
+    fresh.extend([*range(9), 99])
+    assert hasher.hashes == fresh.hashes
+    assert hasher.partial_hash(10, [*range(9), 99]) == fresh.partial_hash(10, [*range(9), 99])
+
+
 @pytest.mark.parametrize("tokens", [-1, True, 1.0])
 def test_rewind_refuses_a_position_that_is_not_a_count(tokens: object) -> None:
     hasher = BlockHasher(4, "ns")

@@ -190,6 +190,14 @@ def test_ordering_is_total_within_a_type(hybrids: list[HybridKey], singles: list
             assert (smaller < larger) == (smaller != larger)
 
 
+def test_keys_sort_by_their_fields_in_rendering_order() -> None:
+    """The pipeline stage is rendered before the group, so it sorts first."""
+    first_stage = HybridKey("m", LAYOUT, 1, 64, "0aff", 3, pp_rank=0)
+    second_stage = HybridKey("m", LAYOUT, 0, 64, "0aff", 3, pp_rank=1)
+    assert str(first_stage) < str(second_stage)
+    assert first_stage < second_stage
+
+
 def test_absent_pp_rank_sorts_first() -> None:
     assert parse_key(HYBRID) < parse_key(HYBRID_PP)
     assert parse_key(HYBRID_PP) > parse_key(HYBRID)
