@@ -125,11 +125,11 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
         fields = dict(values)
         if fields.get("device_name") is None:
             fields.pop("device_name", None)  # Mooncake writes null for "no RDMA device"
-        tenant = fields.get("tenant_id", "")
-        if tenant is None or (isinstance(tenant, str) and not tenant.strip()):
+        tenant = fields.get("tenant_id")
+        if isinstance(tenant, str):
+            fields["tenant_id"] = tenant = tenant.strip()  # read as vLLM reads its files
+        if tenant is None or tenant == "":
             fields.pop("tenant_id", None)  # null or blank: the default tenant, as in vLLM
-        elif isinstance(tenant, str):
-            fields["tenant_id"] = tenant.strip()  # read as vLLM reads its files
         for field in ("global_segment_size", "local_buffer_size"):
             if field in fields:
                 fields[field] = parse_size(fields[field], field)
