@@ -14,7 +14,9 @@ a piece per layer of each object for per-layer tensors, one per object for block
 ones), for per-layer tensors also at "layer" granularity (ranged put/get sessions, no
 copy), and whole (`save`/`load`, staged). Raw Mooncake moves the same
 bytes with `batch_put_from` / `batch_get_into` from one contiguous buffer per object (the
-best Mooncake can do, no layout work at all). Same process, then a second process reading
+best Mooncake can do, no layout work at all), through the very Mooncake client the transport
+uses (two clients of one process read the same objects up to 2x apart here). Same process,
+then a second process reading
 what the first wrote (objects in a segment holder). `--repeats` passes after a warm-up
 pass; in a pass each mode runs right beside a raw run of its own (the same store, the same
 bytes, fresh keys; which of the two goes first alternates, and the modes rotate); a ratio
@@ -31,8 +33,10 @@ handed over back to back here, with no compute between them; "put stalled in che
 is how long the full backlog then held the model thread: what a forward pass with no time
 per layer would add on top of the tail. The serial
 reference is raw put (get) plus one numpy copy of the same bytes between per-layer tensors
-and per-block objects: what host-side layout work costs when nothing overlaps it (on 2
-cores shared by client and holder, the loopback transfer leaves little room to overlap it).
+and per-block objects: what host-side layout work costs when nothing overlaps it; the
+overlapped reference runs that copy on a second thread during the raw call, paired with a
+plain raw call (on 2 cores shared by client and holder, the loopback transfer leaves little
+room to overlap it). Per-layer tensors cannot beat these two by much: they need the copy.
 
 Starts its own master and segment holder on loopback; needs mooncake installed. Run:
 `python benchmarks/bench_transport.py [--blocks N] [--repeats R] [--modes staged whole
@@ -48,6 +52,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -229,6 +234,23 @@ def timed(work: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
+def timed_beside(
+    beside: Callable[[], Any] | None, work: Callable[..., Any], *args: Any
+) -> tuple[float, Any]:
+    """(seconds, result) of one call with `beside` (if any) running at the same time on a
+    second thread, until both are done."""
+    if beside is None:
+        return timed(work, *args)
+    helper = threading.Thread(target=beside)
+    started = time.perf_counter()
+    helper.start()
+    try:
+        result = work(*args)
+    finally:
+        helper.join()
+    return time.perf_counter() - started, result
+
+
 def transport_put(
     engine: TransferEngine, saves: list[BlockTransfer], mode: str
 ) -> tuple[float, float]:
@@ -278,13 +300,18 @@ def engine_for(store: MooncakeStore, caches: Caches, mode: str) -> TransferEngin
     return TransferEngine(store, caches.layouts, PipelineOptions(granularity=granularity))
 
 
-def connect(master: str) -> MooncakeStore:
+def connect(master: str) -> tuple[MooncakeStore, Any]:
+    """The transport's store and the very Mooncake client under it, which the raw twins
+    call: both sides share one transfer engine. (Two clients of one process read the same
+    objects up to 2x apart here, depending on what each did before, so a raw twin with a
+    client of its own measured that client as much as the transport.) Closing the store
+    closes the client."""
+    client = raw_client(master)
     # Lend nothing: objects live in the holder and outlive this process.
-    return MooncakeStore.connect(
-        MooncakeConfig(
-            master_server_address=master, global_segment_size=0, local_buffer_size=64 << 20
-        )
+    config = MooncakeConfig(
+        master_server_address=master, global_segment_size=0, local_buffer_size=64 << 20
     )
+    return MooncakeStore(client, config), client
 
 
 def read_all(
@@ -296,9 +323,8 @@ def read_all(
     target = Caches(blocks, seed=None, block_major=block_major)
     want = expected.objects()
     flat = np.zeros_like(want)
-    client = raw_client(master)
+    store, client = connect(master)
     client.register_buffer(flat.ctypes.data, flat.nbytes)
-    store = connect(master)
     times: dict[str, list[float]] = {}
     keys, ptrs, sizes = raw_args(expected, flat, prefixes["raw"])
     engines = {mode: engine_for(store, target, mode) for mode in modes_for(block_major).values()}
@@ -337,7 +363,6 @@ def read_all(
         for engine in engines.values():
             engine.close()
         store.close()
-        client.close()
     return times
 
 
@@ -352,8 +377,7 @@ def same_process(
     tag = layout_tag(block_major)
     source = Caches(blocks, seed=1, block_major=block_major)
     target = Caches(blocks, seed=None, block_major=block_major)
-    client = raw_client(master)
-    store = connect(master)
+    store, client = connect(master)
     flat = source.objects()
     back = np.zeros_like(flat)
     for buffer in (flat, back):
@@ -366,17 +390,19 @@ def same_process(
     }
     scratch = np.zeros_like(flat)
     # name -> per pass: (put, get, after the last layer, stalled in checkpoints, until the
-    # first layer, raw twin's put, raw twin's get); "gather" -> per pass: (seconds,)
-    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in ["gather", *engines]}
+    # first layer, raw twin's put, raw twin's get); "gather" -> per pass: (seconds,);
+    # "beside" -> per pass: (put, get with the gather beside each; a plain put, get)
+    names = ["gather", "beside", *engines]
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in names}
     kept: dict[str, str] = {}  # what the reader gets: the last pass's objects
 
-    def raw_round_trip(prefix: str) -> tuple[float, float]:
+    def raw_round_trip(prefix: str, beside: Callable[[], Any] | None = None) -> tuple[float, float]:
         keys, ptrs, sizes = raw_args(source, flat, prefix)
-        put_s, codes = timed(client.batch_put_from, keys, ptrs, sizes)
+        put_s, codes = timed_beside(beside, client.batch_put_from, keys, ptrs, sizes)
         checked(codes, "raw put")
         back[:] = 0
         back_ptrs = [ptr - flat.ctypes.data + back.ctypes.data for ptr in ptrs]
-        get_s, codes = timed(client.batch_get_into, keys, back_ptrs, sizes)
+        get_s, codes = timed_beside(beside, client.batch_get_into, keys, back_ptrs, sizes)
         checked(codes, "raw get")
         if not np.array_equal(back, flat):
             raise RuntimeError("raw round trip returned wrong bytes")
@@ -397,6 +423,16 @@ def same_process(
     try:
         for repeat in range(repeats + 1):  # pass 0 warms both paths up
             samples["gather"].append(timed(source.gather_into, scratch)[:1])
+            if not block_major:  # raw with the layout copy beside it, and without
+                pair = [f"{tag}beside{repeat}", f"{tag}plain{repeat}"]
+                beside, plain = in_order(
+                    partial(raw_round_trip, pair[0], partial(source.gather_into, scratch)),
+                    partial(raw_round_trip, pair[1]),
+                    bool(repeat % 2),
+                )
+                samples["beside"].append(beside + plain)
+                removed = [t.key for p in pair for t in transfers(p, blocks)]
+                checked(client.batch_remove(removed, True), "remove")
             for swap, mode, (writer, reader) in rotated(engines, repeat):
                 prefix, raw_prefix = f"{tag}{mode}{repeat}", f"{tag}raw-{mode}{repeat}"
                 saves = transfers(prefix, blocks)
@@ -419,7 +455,6 @@ def same_process(
             writer.close()
             reader.close()
         store.close()
-        client.close()
     same = {
         name: [list(column[1:]) for column in zip(*runs, strict=True)]
         for name, runs in samples.items()
@@ -495,6 +530,12 @@ def report(same: Samples, cross: dict[str, list[float]], block_major: bool, tota
             f"tensors and per-block objects ({statistics.median(gather) * 1e3:.0f} ms) = put "
             f"{paired(raw_put, plus(raw_put, gather))}, get "
             f"{paired(raw_get, plus(raw_get, gather))}"
+        )
+        put_beside, get_beside, put_plain, get_plain = same["beside"]
+        print(
+            f"overlapped reference: raw with that copy running at the same time on a second "
+            f"thread = put "
+            f"{paired(put_plain, put_beside)}, get {paired(get_plain, get_beside)}"
         )
     print("cross process (a second process reads what this one wrote):")
     for label, mode in modes.items():
