@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.ownership import BlockTransfer, Claim, Direction
 from hybridkv.transport.pipeline import Granularity, PipelineOptions, PoolPressure
-from hybridkv.transport.sessions import Writes
+from hybridkv.transport.sessions import GroupBatch, LayerClaims, Writes
 
 LAYERS = 12
 BLOCK = 256
@@ -255,14 +255,41 @@ def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> 
     assert offsets == [layer * BLOCK for layer in range(LAYERS)]  # in layer order
 
 
-def test_staged_loads_copy_each_layer_only_when_it_is_due(memory: np.ndarray) -> None:
-    def layouts(array: np.ndarray) -> list[GroupLayout]:
-        """Group 0 over every layer (rows 0-7), group 1 over layers 0-5 only (rows 8-15)."""
-        short = [
-            CacheEntry(layer, "short", array[layer, 8:].ctypes.data, BLOCK, BLOCK, num_blocks=8)
-            for layer in range(6)
-        ]
-        return [deep_layout(array), GroupLayout(1, short)]
+def two_group_layouts(array: np.ndarray) -> list[GroupLayout]:
+    """Group 0 over every layer (rows 0-7), group 1 over layers 0-5 only (rows 8-15)."""
+    short = [
+        CacheEntry(layer, "short", array[layer, 8:].ctypes.data, BLOCK, BLOCK, num_blocks=8)
+        for layer in range(6)
+    ]
+    return [deep_layout(array), GroupLayout(1, short)]
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_staged_loads_scatter_the_due_layer_here_and_the_rest_from_the_last_down(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the fetch is in, the layer read scatters the layer due now, and a second
+    thread scatters the others from the last layer down until the two meet; a group's
+    slab is freed once all of its layers are scattered, whoever scattered them."""
+    copies: list[tuple[str, int, int]] = []  # (thread, group, layer)
+    copy_rows = GroupBatch.copy_rows
+
+    def recorded(
+        batch: GroupBatch,
+        rows: np.ndarray,
+        into_staging: bool,
+        entries: Sequence[int] | None = None,
+    ) -> None:
+        for index in entries or ():
+            layer = batch.layout.entries[index].layer
+            copies.append((threading.current_thread().name, batch.layout.group_id, layer))
+        copy_rows(batch, rows, into_staging, entries)
 
     target = np.zeros_like(memory)
     prefix = unique_prefix()
@@ -271,29 +298,116 @@ def test_staged_loads_copy_each_layer_only_when_it_is_due(memory: np.ndarray) ->
         *(BlockTransfer(f"{prefix}-s{i}", 1, i, prefix, i) for i in range(3)),
     ]
     store = RecordingStore()
-    with TransferEngine(store, layouts(memory)) as writer:
+    with TransferEngine(store, two_group_layouts(memory)) as writer:
         assert writer.save(moved).wait(timeout=10).ok
-    options = PipelineOptions(prefetch_layers=0)
-    with TransferEngine(store, layouts(target), options) as reader:
+    options = PipelineOptions(prefetch_layers=0)  # no read of a later layer is queued
+    with TransferEngine(store, two_group_layouts(target), options) as reader:
         pool = reader.staging
         assert pool is not None
+        monkeypatch.setattr(GroupBatch, "copy_rows", recorded)
         step = reader.begin_layerwise(loads=moved)
         assert step.wait_layer_loaded(0) == {}
         assert store.count("batch_get_whole") == 1  # every object, fetched at once
-        time.sleep(0.1)  # a copy of a later layer would land now
-        np.testing.assert_array_equal(target[0, :4], memory[0, :4])
-        np.testing.assert_array_equal(target[0, 8:11], memory[0, 8:11])
-        assert not target[1:].any()  # later layers are copied when they are due
-        both = pool.in_use
-        step.wait_layer_loaded(5)  # the short group's last layer: its slab is free
-        assert 0 < pool.in_use < both
-        assert not target[6:].any()
+        assert until(lambda: pool.in_use == 0)  # every layer scattered, every slab freed
+        np.testing.assert_array_equal(target[:, :4], memory[:, :4])
+        np.testing.assert_array_equal(target[:6, 8:11], memory[:6, 8:11])
         assert step.finish().ok
         assert pool.in_use == 0
-    np.testing.assert_array_equal(target[:, :4], memory[:, :4])
-    np.testing.assert_array_equal(target[:6, 8:11], memory[:6, 8:11])
     assert not target[:, 4:8].any()
     assert not target[:, 11:].any()
+    assert not target[6:, 8:].any()
+    here = [(group, layer) for thread, group, layer in copies if thread == "hybridkv-receive"]
+    there = [(group, layer) for thread, group, layer in copies if thread != "hybridkv-receive"]
+    assert here == [(0, 0), (1, 0)]
+    assert there == [(0, 11), (0, 10), (0, 9), (0, 8), (0, 7), (0, 6)] + [
+        (group, layer) for layer in range(5, 0, -1) for group in (0, 1)
+    ]
+
+
+def test_a_failed_second_scatter_thread_fails_the_load_and_frees_every_slab(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy_rows = GroupBatch.copy_rows
+
+    def failing(
+        batch: GroupBatch,
+        rows: np.ndarray,
+        into_staging: bool,
+        entries: Sequence[int] | None = None,
+    ) -> None:
+        if threading.current_thread().name.startswith("hybridkv-scatter"):
+            raise MemoryError("no memory for the copy")
+        copy_rows(batch, rows, into_staging, entries)
+
+    target = np.zeros_like(memory)
+    moved = saves(4, unique_prefix())
+    store = RecordingStore()
+    with TransferEngine(store, [deep_layout(memory)]) as writer:
+        assert writer.save(moved).wait(timeout=10).ok
+    with TransferEngine(store, [deep_layout(target)], PipelineOptions(prefetch_layers=0)) as reader:
+        monkeypatch.setattr(GroupBatch, "copy_rows", failing)
+        step = reader.begin_layerwise(loads=moved)
+        assert step.wait_layer_loaded(0) == {}
+        with pytest.raises(RuntimeError, match="layer 11 was not scattered"):
+            step.wait_layer_loaded(LAYERS - 1)
+        assert step._load_outcome.failed_blocks() == {0: {0, 1, 2, 3}}
+        with pytest.raises(RuntimeError, match="not scattered"):
+            step.finish()
+        assert reader.staging is not None
+        assert reader.staging.in_use == 0
+
+
+@given(
+    st.integers(1, 12).flatmap(
+        lambda count: st.tuples(
+            st.just(count),
+            st.lists(st.sets(st.integers(0, count - 1), min_size=1), min_size=1, max_size=4),
+            st.lists(st.booleans(), min_size=2 * count, max_size=2 * count),
+        )
+    )
+)
+def test_layer_claims_give_each_layer_to_one_thread_and_complete_each_group_once(
+    case: tuple[int, list[set[int]], list[bool]],
+) -> None:
+    """Any interleaving of the in-order reads and the second thread: the reads take a
+    prefix of the layers, the second thread the rest from the last down, and a group
+    completes exactly when its last layer is scattered."""
+    count, groups, turns = case
+    layers = [10 * index for index in range(count)]  # layer numbers need not be indices
+    claims = LayerClaims(
+        layers, {g: [layers[i] for i in members] for g, members in enumerate(groups)}
+    )
+    front: list[int] = []
+    back: list[int] = []
+    completed: list[int] = []
+    scattered: set[int] = set()
+    reading = 0
+    for turn in turns:
+        if turn and reading < count:
+            layer = layers[reading]
+            reading += 1
+            if claims.claim_front(layer):
+                front.append(layer)
+            else:
+                claims.wait(layer)  # already scattered by the other thread
+                assert layer in scattered
+                continue
+        elif (layer := claims.claim_back()) is not None:
+            back.append(layer)
+        else:
+            continue
+        done = claims.scattered(layer)
+        scattered.add(layer)
+        completed += done
+        for group in done:
+            assert {layers[i] for i in groups[group]} <= scattered
+    while (layer := claims.claim_back()) is not None:
+        back.append(layer)
+        scattered.add(layer)
+        completed += claims.scattered(layer)
+    assert front == layers[: len(front)]
+    assert back == layers[len(front) :][::-1]
+    assert sorted(completed) == list(range(len(groups)))
 
 
 def test_large_batches_are_split_by_blocks_and_bytes(memory: np.ndarray) -> None:

@@ -44,8 +44,9 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
       registered staging buffer once its group is complete (layerwise: each layer copied
       into staging when ready, off the model thread; whole saves: gathered part by part,
       each part put while the next is gathered); loads fetch whole objects at the step's
-      start, then scatter each layer into the caches when it is due (whole loads: each
-      part scattered while the next is fetched). Best where a store
+      start, then the layer reads scatter each layer when it is due while a second
+      thread scatters from the last layer down (whole loads: each part scattered while
+      the next is fetched). Best where a store
       call pays per piece (Mooncake over TCP: ~30-40 us per piece, 61 pieces for a 61-layer
       object). `staging_bytes` bounds the buffer
       (0 = no staging: every object moves piece by piece, as "group").

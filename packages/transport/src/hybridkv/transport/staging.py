@@ -79,6 +79,9 @@ class StagingPool:
         self.gets = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="hybridkv-staged-get", initializer=yield_cpu
         )
+        # Scatters a layerwise load's layers from the last one down (at normal priority:
+        # it copies, it does not wait on the store).
+        self.scatters = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-scatter")
 
     def allocate(self, rows: int, width: int) -> Slab | None:
         """A slab for up to `rows` objects of `width` bytes: as many as the largest free
@@ -133,6 +136,7 @@ class StagingPool:
         """Unregister and free the buffer (no slab may be in use: the engine has drained)."""
         self.puts.shutdown(wait=True)
         self.gets.shutdown(wait=True)
+        self.scatters.shutdown(wait=True)
         with self._lock:
             self._closed = True
             array, self._array = self._array, None
