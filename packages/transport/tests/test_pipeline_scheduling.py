@@ -324,30 +324,46 @@ def test_staged_loads_scatter_the_due_layer_here_and_the_rest_from_the_last_down
     ]
 
 
+class HeldScatters:
+    """Patches `GroupBatch.copy_rows` so that the second scatter thread, at its first copy,
+    says it entered and waits for `release`; then it copies (or raises `error`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: BaseException | None = None):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        copy_rows = GroupBatch.copy_rows
+
+        def held(
+            batch: GroupBatch,
+            rows: np.ndarray,
+            into_staging: bool,
+            entries: Sequence[int] | None = None,
+        ) -> None:
+            if threading.current_thread().name.startswith("hybridkv-scatter"):
+                self.entered.set()
+                assert self.release.wait(10)
+                if error is not None:
+                    raise error
+            copy_rows(batch, rows, into_staging, entries)
+
+        monkeypatch.setattr(GroupBatch, "copy_rows", held)
+
+
 def test_a_failed_second_scatter_thread_fails_the_load_and_frees_every_slab(
     memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    copy_rows = GroupBatch.copy_rows
-
-    def failing(
-        batch: GroupBatch,
-        rows: np.ndarray,
-        into_staging: bool,
-        entries: Sequence[int] | None = None,
-    ) -> None:
-        if threading.current_thread().name.startswith("hybridkv-scatter"):
-            raise MemoryError("no memory for the copy")
-        copy_rows(batch, rows, into_staging, entries)
-
+    """The layer read waiting on the second thread's layer wakes when that thread fails."""
     target = np.zeros_like(memory)
     moved = saves(4, unique_prefix())
     store = RecordingStore()
     with TransferEngine(store, [deep_layout(memory)]) as writer:
         assert writer.save(moved).wait(timeout=10).ok
     with TransferEngine(store, [deep_layout(target)], PipelineOptions(prefetch_layers=0)) as reader:
-        monkeypatch.setattr(GroupBatch, "copy_rows", failing)
+        held = HeldScatters(monkeypatch, MemoryError("no memory for the copy"))
         step = reader.begin_layerwise(loads=moved)
         assert step.wait_layer_loaded(0) == {}
+        assert held.entered.wait(10)  # it claimed layer 11 and is copying it
+        threading.Timer(0.2, held.release.set).start()  # fails while layer 11 is awaited
         with pytest.raises(RuntimeError, match="layer 11 was not scattered"):
             step.wait_layer_loaded(LAYERS - 1)
         assert step._load_outcome.failed_blocks() == {0: {0, 1, 2, 3}}
@@ -355,6 +371,94 @@ def test_a_failed_second_scatter_thread_fails_the_load_and_frees_every_slab(
             step.finish()
         assert reader.staging is not None
         assert reader.staging.in_use == 0
+    np.testing.assert_array_equal(target[: LAYERS - 1, :4], memory[: LAYERS - 1, :4])
+    assert not target[LAYERS - 1].any()
+
+
+def test_a_groups_slab_is_freed_once_all_of_its_layers_are_scattered(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = unique_prefix()
+    moved = [
+        *saves(4, prefix),
+        *(BlockTransfer(f"{prefix}-s{i}", 1, i, prefix, i) for i in range(3)),
+    ]
+    store = RecordingStore()
+    with TransferEngine(store, two_group_layouts(memory)) as writer:
+        assert writer.save(moved).wait(timeout=10).ok
+    target = np.zeros_like(memory)
+    options = PipelineOptions(prefetch_layers=0)
+    with TransferEngine(store, two_group_layouts(target), options) as reader:
+        pool = reader.staging
+        assert pool is not None
+        held = HeldScatters(monkeypatch)
+        step = reader.begin_layerwise(loads=moved)
+        assert step.wait_layer_loaded(0) == {}
+        both = pool.in_use
+        assert held.entered.wait(10)  # holding layer 11 of the long group
+        assert step.wait_layer_loaded(5) == {}  # the short group's last layer, read here
+        assert 0 < pool.in_use < both  # its slab is free, the long group's is not
+        held.release.set()
+        assert step.finish().ok
+        assert pool.in_use == 0
+    np.testing.assert_array_equal(target[:, :4], memory[:, :4])
+    np.testing.assert_array_equal(target[:6, 8:11], memory[:6, 8:11])
+
+
+def test_a_step_ends_without_waiting_for_a_second_thread_that_never_started(
+    memory: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool has one scatter thread: a step whose own is queued behind another step's
+    (held here) reads every layer itself and ends without waiting for it."""
+    first, second = unique_prefix(), unique_prefix()
+    store = RecordingStore()
+    with TransferEngine(store, [deep_layout(memory)]) as writer:
+        assert writer.save([*saves(4, first), *saves(4, second)]).wait(timeout=10).ok
+    targets = np.zeros_like(memory), np.zeros_like(memory)
+    options = PipelineOptions(prefetch_layers=0)
+    layouts = [deep_layout(targets[0]), GroupLayout(1, deep_layout(targets[1]).entries)]
+    with TransferEngine(store, layouts, options) as reader:
+        held = HeldScatters(monkeypatch)
+        early = reader.begin_layerwise(loads=saves(4, first))
+        assert early.wait_layer_loaded(0) == {}
+        assert held.entered.wait(10)
+        late = reader.begin_layerwise(
+            loads=[
+                BlockTransfer(t.key, 1, t.local_block, t.request_id, t.block_index)
+                for t in saves(4, second)
+            ]
+        )
+        ended = threading.Thread(target=late.finish)
+        ended.start()
+        ended.join(5)
+        assert not ended.is_alive()
+        held.release.set()
+        assert early.finish().ok
+        assert late.finish().ok
+        assert reader.staging is not None
+        assert reader.staging.in_use == 0
+    for target in targets:
+        np.testing.assert_array_equal(target[:, :4], memory[:, :4])
+
+
+def test_with_no_second_thread_to_be_had_the_reads_scatter_every_layer(
+    memory: np.ndarray,
+) -> None:
+    """As at interpreter exit, when the pool's scatter thread can no longer start."""
+    moved = saves(4, unique_prefix())
+    store = RecordingStore()
+    with TransferEngine(store, [deep_layout(memory)]) as writer:
+        assert writer.save(moved).wait(timeout=10).ok
+    target = np.zeros_like(memory)
+    with TransferEngine(store, [deep_layout(target)]) as reader:
+        assert reader.staging is not None
+        reader.staging.scatters.shutdown()
+        step = reader.begin_layerwise(loads=moved)
+        for layer in range(LAYERS):
+            assert step.wait_layer_loaded(layer) == {}
+        assert step.finish().ok
+        assert reader.staging.in_use == 0
+    np.testing.assert_array_equal(target[:, :4], memory[:, :4])
 
 
 @given(

@@ -214,7 +214,9 @@ class TransferEngine:
         """Start one forward step's transfers: prefetch loads, open saves.
 
         Loads write the caches only after `ready` (earlier work on the compute stream, e.g.
-        vLLM zeroing new blocks); `wait_layer_loaded(layer, ready)` moves that point on.
+        vLLM zeroing new blocks); `wait_layer_loaded(layer, ready)` moves that point on for
+        the writes not made yet (a staged load writes every layer soon after its first
+        layer is read, under the `ready` in force then).
         """
         with self._lock:  # a step is listed in the order of its claims (see `finish`)
             self._check(loads)

@@ -1206,6 +1206,7 @@ class LayerwiseStagedReads(StagedReads):
     _fetch: Future[list[tuple[GroupBatch, int]]] | None = None
     _fetched = False
     _back: Future[None] | None = None  # the second thread's scatter
+    _back_tried = False
 
     def scheduled_layers(self) -> set[int]:
         return {layer for batch in self.batches.values() for layer in batch.layout.layers}
@@ -1235,10 +1236,14 @@ class LayerwiseStagedReads(StagedReads):
         if claims is None:
             return  # nothing staged: every object came straight into the caches
         mine = claims.claim_front(layer)
-        if self._back is None and self._fetch is not None and self.pool is not None:
+        if not self._back_tried and self._fetch is not None and self.pool is not None:
             # Started once the fetch is in (its failed rows failed, none copied) and the
             # first due layer is claimed here: the second thread never holds that one up.
-            self._back = self.pool.scatters.submit(self._scatter_back, claims)
+            self._back_tried = True
+            try:
+                self._back = self.pool.scatters.submit(self._scatter_back, claims)
+            except RuntimeError:  # shut down (interpreter exit): every layer is read here
+                log.debug("no second thread to scatter layers: the reads scatter them all")
         if mine:
             self._scatter(claims, layer)
         else:
@@ -1249,8 +1254,10 @@ class LayerwiseStagedReads(StagedReads):
             self._await_fetch()
         finally:
             try:
-                if self._back is not None:
-                    self._back.result()  # no slab is freed under the other thread's copies
+                # Not started (queued behind another step's): it has claimed nothing, and
+                # the reads scattered every layer. Started: no slab is freed under it.
+                if self._back is not None and not self._back.cancel():
+                    self._back.result()
             finally:
                 self.unstage()
 
