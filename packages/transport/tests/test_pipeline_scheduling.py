@@ -264,6 +264,24 @@ def two_group_layouts(array: np.ndarray) -> list[GroupLayout]:
     return [deep_layout(array), GroupLayout(1, short)]
 
 
+def before_copies(
+    monkeypatch: pytest.MonkeyPatch, hook: Callable[[GroupBatch, Sequence[int] | None], None]
+) -> None:
+    """Run `hook(batch, entries)` before every copy between caches and staging."""
+    copy_rows = GroupBatch.copy_rows
+
+    def hooked(
+        batch: GroupBatch,
+        rows: np.ndarray,
+        into_staging: bool,
+        entries: Sequence[int] | None = None,
+    ) -> None:
+        hook(batch, entries)
+        copy_rows(batch, rows, into_staging, entries)
+
+    monkeypatch.setattr(GroupBatch, "copy_rows", hooked)
+
+
 def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
@@ -278,18 +296,11 @@ def test_staged_loads_scatter_the_due_layer_here_and_the_rest_from_the_last_down
     thread scatters the others from the last layer down until the two meet; a group's
     slab is freed once all of its layers are scattered, whoever scattered them."""
     copies: list[tuple[str, int, int]] = []  # (thread, group, layer)
-    copy_rows = GroupBatch.copy_rows
 
-    def recorded(
-        batch: GroupBatch,
-        rows: np.ndarray,
-        into_staging: bool,
-        entries: Sequence[int] | None = None,
-    ) -> None:
+    def record(batch: GroupBatch, entries: Sequence[int] | None) -> None:
         for index in entries or ():
             layer = batch.layout.entries[index].layer
             copies.append((threading.current_thread().name, batch.layout.group_id, layer))
-        copy_rows(batch, rows, into_staging, entries)
 
     target = np.zeros_like(memory)
     prefix = unique_prefix()
@@ -304,7 +315,7 @@ def test_staged_loads_scatter_the_due_layer_here_and_the_rest_from_the_last_down
     with TransferEngine(store, two_group_layouts(target), options) as reader:
         pool = reader.staging
         assert pool is not None
-        monkeypatch.setattr(GroupBatch, "copy_rows", recorded)
+        before_copies(monkeypatch, record)
         step = reader.begin_layerwise(loads=moved)
         assert step.wait_layer_loaded(0) == {}
         assert store.count("batch_get_whole") == 1  # every object, fetched at once
@@ -325,28 +336,21 @@ def test_staged_loads_scatter_the_due_layer_here_and_the_rest_from_the_last_down
 
 
 class HeldScatters:
-    """Patches `GroupBatch.copy_rows` so that the second scatter thread, at its first copy,
-    says it entered and waits for `release`; then it copies (or raises `error`)."""
+    """Holds the second scatter thread at each copy: it says it entered and waits for
+    `release`; then it copies (or raises `error`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, error: BaseException | None = None):
         self.entered = threading.Event()
         self.release = threading.Event()
-        copy_rows = GroupBatch.copy_rows
 
-        def held(
-            batch: GroupBatch,
-            rows: np.ndarray,
-            into_staging: bool,
-            entries: Sequence[int] | None = None,
-        ) -> None:
+        def hold(batch: GroupBatch, entries: Sequence[int] | None) -> None:
             if threading.current_thread().name.startswith("hybridkv-scatter"):
                 self.entered.set()
                 assert self.release.wait(10)
                 if error is not None:
                     raise error
-            copy_rows(batch, rows, into_staging, entries)
 
-        monkeypatch.setattr(GroupBatch, "copy_rows", held)
+        before_copies(monkeypatch, hold)
 
 
 def test_a_failed_second_scatter_thread_fails_the_load_and_frees_every_slab(
