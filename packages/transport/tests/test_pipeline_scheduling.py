@@ -241,9 +241,7 @@ def test_loads_prefetch_only_the_configured_layers_ahead(memory: np.ndarray) -> 
         options = PipelineOptions(prefetch_layers=2, granularity="layer")
         with TransferEngine(store, [layout], options) as reader:
             step = reader.begin_layerwise(loads=saves(3, prefix))
-            deadline = time.monotonic() + 5
-            while store.count("get_ranges") < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            until(lambda: store.count("get_ranges") >= 3)
             time.sleep(0.1)
             assert store.count("get_ranges") == 3  # layer 0 plus 2 ahead, no more
             step.wait_layer_loaded(4)
