@@ -358,7 +358,7 @@ def test_a_finished_request_s_saved_blocks_are_forgotten(rig: Any) -> None:
     _step(worker, [RequestTransfers(request_id="a", saves=_refs([(0, 0, 1), (1, 0, 2)]))])
     _step(worker, [RequestTransfers(request_id="b", saves=_refs([(0, 1, 3)]))])
     assert set(worker.engine.owned_blocks("a")) == {(0, 0), (1, 0)}
-    worker.finished({"a"})
+    worker.begin_step(HybridKVMetadata([], finished=frozenset({"a"})))
     assert worker.engine.owned_blocks("a") == {}
     assert set(worker.engine.owned_blocks("b")) == {(0, 1)}  # still running
 
@@ -526,10 +526,10 @@ def test_a_background_load_that_raises_at_its_start_fails_its_request(rig: Any) 
     )
     loads = _refs([(0, 0, 4)])
     _step(broken, [RequestTransfers(request_id="c", loads=loads, load_async=True)])
-    assert broken.finished(set()) == {"c"}
+    assert broken.finished() == {"c"}
     assert broken.take_failed_requests() == {"c"}
     assert broken.take_failed_keys() == set()  # the client raised: no object is to blame
-    assert broken.finished(set()) == set()
+    assert broken.finished() == set()
 
 
 class _EngineLoading:
@@ -600,7 +600,7 @@ def test_saves_of_a_step_that_loads_wait_for_every_rank_s_loads(rig: Any, elsewh
 def _background_loads_done(worker: WorkerSide) -> set[str]:
     """The requests whose background loads the worker reports done, within 5 s."""
     for _ in range(500):
-        done = worker.finished(set())
+        done = worker.finished()
         if done:
             return done
         time.sleep(0.01)
@@ -655,7 +655,7 @@ def test_a_background_load_waits_for_the_device_work_queued_before_it(rig: Any) 
     gated.start_async_loads()
     assert gate.recorded
     time.sleep(0.2)
-    assert gated.finished(set()) == set()  # still waiting for the device
+    assert gated.finished() == set()  # still waiting for the device
     gate.fired.set()  # (the step's own transfer jobs queue behind the load: fire first)
     gated.end_step()
     assert _background_loads_done(gated) == {"c"}
@@ -678,14 +678,14 @@ def test_a_request_aborted_during_its_background_load_is_reported_once_the_load_
     load = RequestTransfers(request_id="c", loads=_refs([(0, 0, 4)]), load_async=True)
     gated.begin_step(HybridKVMetadata([load]))
     gated.start_async_loads()
-    assert gated.finished({"c"}) == set()  # aborted: vLLM passes it as finished
+    assert gated.finished() == set()  # aborted: vLLM names it in finished_req_ids
     assert not attn[4].any()  # the load has not written yet: not to be reported
     gate.fired.set()
     gated.end_step()
     assert _background_loads_done(gated) == {"c"}
     assert torch.equal(attn[4], saved)
     assert gated.take_failed_requests() == set()
-    assert gated.finished(set()) == set()  # reported once
+    assert gated.finished() == set()  # reported once
 
 
 def test_a_finished_id_reused_in_the_same_step_saves_the_new_request_s_blocks(
@@ -694,7 +694,8 @@ def test_a_finished_id_reused_in_the_same_step_saves_the_new_request_s_blocks(
     """vLLM may schedule a new request under the id of one finished since the last step
     (ids kept as sent), in the step whose `finished_req_ids` name it: the old owner's keys
     are released before the step claims the new one's, so neither its saves nor those
-    of the step's other requests are refused."""
+    of the step's other requests are refused; vLLM's report of the finished ids at the
+    step's end leaves the new owner's keys alone."""
     worker, _, store = rig
     _step(worker, [RequestTransfers(request_id="a", saves=[BlockRef(0, 0, 1, b"\x01" * 32)])])
     reused = BlockRef(0, 0, 2, b"\x02" * 32)  # block 0 again, of another prompt
@@ -706,8 +707,11 @@ def test_a_finished_id_reused_in_the_same_step_saves_the_new_request_s_blocks(
     worker.begin_step(HybridKVMetadata(step, finished=frozenset({"a"})))
     worker.start_async_loads()
     worker.end_step()
+    worker.finished()  # vLLM passes it {"a"}, the step's finished_req_ids
     worker.barrier()
     assert store.batch_is_readable(_keys(worker, [reused, other])) == [True, True]
+    owned = worker.engine.owned_blocks("a")
+    assert [block.key for block in owned.values()] == _keys(worker, [reused])
 
 
 def _keys(worker: WorkerSide, refs: list[BlockRef]) -> list[str]:
@@ -751,7 +755,7 @@ def test_a_step_computing_nothing_waits_for_a_background_load(rig: Any, idle: bo
     slow.begin_step(HybridKVMetadata([load], idle=idle))
     slow.start_async_loads()
     slow.end_step()
-    assert slow.finished(set()) == ({"c"} if idle else set())
+    assert slow.finished() == ({"c"} if idle else set())
 
 
 def _stored_event(index: int) -> Any:

@@ -581,7 +581,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # vLLM 0.32 asks only this (its own default of it calls get_finished).
-        done = self.worker_side.finished(finished_req_ids)  # first: it records failures
+        done = self.worker_side.finished()  # first: it records failures
         return KVConnectorTransferResults(
             finished_recving=done, failed_recving=self.worker_side.take_failed_requests()
         )

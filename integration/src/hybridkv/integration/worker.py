@@ -428,10 +428,11 @@ class WorkerSide:
             if save.block_index >= 0
         )
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Async loads that completed (their failures already reported: see `_record_load`)."""
-        if finished_req_ids:
-            self.engine.release(list(finished_req_ids))
+    def finished(self) -> set[str]:
+        """Async loads that completed (their failures already reported: see `_record_load`).
+
+        vLLM's `finished_req_ids` of the step are not released here: `begin_step` did (the
+        metadata's `finished`), and a new request may own keys under one of those ids since."""
         if self._idle_step:
             self._wait_for_a_load()
         done = {rid for rid, (ticket, _) in self._async_loads.items() if ticket.done}
