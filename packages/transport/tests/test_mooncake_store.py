@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from hybridkv.transport.errors import (
     UnsupportedClient,
 )
 from hybridkv.transport.master import MasterProcess, free_port
-from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.mooncake_store import MooncakeStore, _prepare_environment
 from hybridkv.transport.testing import (
     StartHolder,
     StartMaster,
@@ -48,6 +49,27 @@ def test_importing_the_package_does_not_import_mooncake() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("hostname", "advertised"),
+    [("127.0.0.1", "127.0.0.1"), ("10.1.2.3", "10.1.2.3"), ("node-7", None), ("1234", None),
+     ("1.2.3.4.5", None), ("::1", None)],
+)  # fmt: skip
+def test_the_transfer_engine_is_told_the_host_only_when_it_is_an_ipv4_address(
+    monkeypatch: pytest.MonkeyPatch, hostname: str, advertised: str | None
+) -> None:
+    """Mooncake reads MC_TCP_BIND_ADDRESS as an IPv4 address: a host name (or digits that
+    are none) is left for it to resolve."""
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    _prepare_environment(mooncake_config("127.0.0.1:1", local_hostname=hostname))
+    assert os.environ.get("MC_TCP_BIND_ADDRESS") == advertised
+
+
+def test_a_bind_address_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.2")
+    _prepare_environment(mooncake_config("127.0.0.1:1", local_hostname="127.0.0.1"))
+    assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.2"
 
 
 def test_connect_with_the_master_down_fails_fast() -> None:

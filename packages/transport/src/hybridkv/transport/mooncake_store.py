@@ -14,6 +14,7 @@ Mooncake is imported in `connect`, so importing hybridkv.transport never needs i
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 import time
@@ -123,8 +124,16 @@ def _prepare_environment(config: MooncakeConfig) -> None:
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     # Without it the transfer engine advertises the first NIC's address, not the host asked
     # for, and loopback-only pools break.
-    if config.local_hostname.replace(".", "").isdigit():
+    if _is_ipv4(config.local_hostname):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class MooncakeStore:
