@@ -210,20 +210,27 @@ class Surgeon:
         if bad:
             raise AssertionError(f"remove failed: {bad}")
 
-    def corrupt(self, keys: list[str], seed: int = 7, bfloat16: bool = False) -> None:
+    def corrupt(
+        self, keys: list[str], seed: int = 7, bfloat16: bool = False, last_bytes: int = 0
+    ) -> None:
         """Replace each object by noise of the KV's scale and dtype (float32, or bfloat16:
-        float32's upper halves; float32 bytes read as bfloat16 hold NaNs), same size and key."""
+        float32's upper halves; float32 bytes read as bfloat16 hold NaNs), same size and key;
+        with `last_bytes`, only its last `last_bytes` bytes."""
         rng = np.random.default_rng(seed)
         for key in keys:
             original = self.read(key)
             size = len(original)
-            values = rng.standard_normal(size // (2 if bfloat16 else 4), dtype=np.float32)
+            if not 0 <= last_bytes <= size:
+                raise ValueError(f"last_bytes={last_bytes} outside {key!r} of {size} B")
+            kept = size - last_bytes if last_bytes else 0
+            values = rng.standard_normal((size - kept) // (2 if bfloat16 else 4), dtype=np.float32)
             if bfloat16:
                 values = (values.view(np.uint32) >> 16).astype(np.uint16)
             noise = values.view(np.uint8)
             buffer = self._scratch(size)
-            buffer[: noise.size] = noise
-            buffer[noise.size : size] = 0
+            buffer[:kept] = np.frombuffer(original, dtype=np.uint8, count=kept)
+            buffer[kept : kept + noise.size] = noise
+            buffer[kept + noise.size : size] = 0
             assert buffer[:size].tobytes() != original
             self.remove([key])
             (status,) = self._store.batch_put_whole([key], [[buffer.ctypes.data]], [[size]])
