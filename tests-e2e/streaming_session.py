@@ -2,7 +2,8 @@
 
 ``python streaming_session.py SPEC RESULT``: SPEC (JSON) names the model, the chunks of
 the session (token ids, each sent once the previous turn has answered) and the tokens
-each turn generates; RESULT gets each turn's generated token ids. vLLM keeps the
+each turn generates; RESULT gets each turn's generated token ids and their top-5
+logprobs (as `vllm_instance.PromptResult` holds them). vLLM keeps the
 session's KV between turns and drops the token each turn sampled last, so the session's
 context is every chunk with the turns' other tokens between them.
 """
@@ -30,9 +31,11 @@ class SessionSpec(msgspec.Struct, kw_only=True):
 
 class SessionResult(msgspec.Struct, kw_only=True):
     turns: list[list[int]]  # the token ids each turn generated
+    # per turn, per generated position: (token id, logprob) of the top 5 and the sampled
+    logprobs: list[list[list[tuple[int, float]]]]
 
 
-async def _session(spec: SessionSpec) -> list[list[int]]:
+async def _session(spec: SessionSpec) -> SessionResult:
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -60,9 +63,10 @@ async def _session(spec: SessionSpec) -> list[list[int]]:
     )
     engine = AsyncLLM.from_engine_args(args)
     params = SamplingParams(
-        temperature=0.0, max_tokens=spec.max_tokens, output_kind=RequestOutputKind.DELTA
+        temperature=0.0, max_tokens=spec.max_tokens, output_kind=RequestOutputKind.DELTA, logprobs=5
     )
     turns: list[list[int]] = []
+    logprobs: list[list[list[tuple[int, float]]]] = []
     answered = asyncio.Event()
 
     async def chunks() -> AsyncIterator[StreamingInput]:
@@ -73,22 +77,29 @@ async def _session(spec: SessionSpec) -> list[list[int]]:
 
     try:
         turn: list[int] = []
+        positions: list[list[tuple[int, float]]] = []
         async for output in engine.generate(chunks(), params, request_id="session"):
-            turn.extend(output.outputs[0].token_ids)
+            completion = output.outputs[0]
+            turn.extend(completion.token_ids)
+            positions.extend(
+                sorted((int(token), float(lp.logprob)) for token, lp in position.items())
+                for position in completion.logprobs or []
+            )
             if len(turn) >= spec.max_tokens:
                 turns.append(turn[: spec.max_tokens])
-                turn = turn[spec.max_tokens :]
+                logprobs.append(positions[: spec.max_tokens])
+                turn, positions = turn[spec.max_tokens :], positions[spec.max_tokens :]
                 answered.set()
     finally:
         engine.shutdown()
-    return turns
+    return SessionResult(turns=turns, logprobs=logprobs)
 
 
 def main(spec_path: str, result_path: str) -> int:
     spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=SessionSpec)
-    turns = asyncio.run(_session(spec))
+    result = asyncio.run(_session(spec))
     gc.collect()
-    Path(result_path).write_bytes(msgspec.json.encode(SessionResult(turns=turns)))
+    Path(result_path).write_bytes(msgspec.json.encode(result))
     return 0
 
 
