@@ -285,6 +285,14 @@ def _transfer_totals() -> dict[str, float]:
     return totals
 
 
+def top_logprobs(positions: Any) -> list[list[tuple[int, float]]]:
+    """vLLM's logprobs of generated positions as `PromptResult.logprobs` holds them."""
+    return [
+        sorted((int(token), float(lp.logprob)) for token, lp in position.items())
+        for position in positions or []
+    ]
+
+
 def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -304,10 +312,7 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     metrics = output.metrics
     return PromptResult(
         token_ids=list(completion.token_ids),
-        logprobs=[
-            sorted((int(token), float(lp.logprob)) for token, lp in position.items())
-            for position in completion.logprobs
-        ],
+        logprobs=top_logprobs(completion.logprobs),
         num_cached_tokens=int(output.num_cached_tokens or 0),
         external_hit_tokens=_external_hits(llm) - hits_before,
         first_token_latency_s=float(getattr(metrics, "first_token_latency", 0.0) or 0.0),

@@ -43,12 +43,15 @@ def record() -> None:
     SpecDecodeBaseProposer.propose = recorded  # type: ignore[method-assign]
 
 
-def proposals_after(path: Path, prompt_length: int, span: int) -> list[Proposal]:
+def read_proposals(path: Path) -> list[Proposal]:
+    """Every proposal `record` wrote to `path`, in order."""
+    return [msgspec.json.decode(line, type=Proposal) for line in path.read_text().splitlines()]
+
+
+def proposals_after(proposals: list[Proposal], prompt_length: int, span: int) -> list[Proposal]:
     """The proposals made once a prompt of `prompt_length` tokens was computed: its last
     prefill chunk's and its decode steps', whose positions run `span` past it at most (a
-    step verifies its token and the drafts), from a file of several prompts whose lengths
+    step verifies its token and the drafts), among those of several prompts whose lengths
     are more than `span` apart. Earlier chunks' calls differ with the hit: left out."""
-    lines = path.read_text().splitlines()
-    proposals = [msgspec.json.decode(line, type=Proposal) for line in lines]
     last = prompt_length - 1
     return [p for p in proposals if last <= p.last_position <= last + span]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from vllm_instance import top_logprobs  # demo/, on the path its runner gives it
 
 
 class SessionSpec(msgspec.Struct, kw_only=True):
@@ -81,10 +82,7 @@ async def _session(spec: SessionSpec) -> SessionResult:
         async for output in engine.generate(chunks(), params, request_id="session"):
             completion = output.outputs[0]
             turn.extend(completion.token_ids)
-            positions.extend(
-                sorted((int(token), float(lp.logprob)) for token, lp in position.items())
-                for position in completion.logprobs or []
-            )
+            positions.extend(top_logprobs(completion.logprobs))
             if len(turn) >= spec.max_tokens:
                 turns.append(turn[: spec.max_tokens])
                 logprobs.append(positions[: spec.max_tokens])

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import tinymodels
 from conftest import Pool
-from draft_tap import DRAFTS_FILE, Proposal, proposals_after
+from draft_tap import DRAFTS_FILE, Proposal, proposals_after, read_proposals
 from scenario import (
     BLOCK,
     MAX_NUM_BATCHED_TOKENS,
@@ -105,13 +105,14 @@ def eagle(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Spe
         "reader": run("reader", every_prompt, {"use_layerwise": True})[0].prompts,
         "cold": run("cold", every_prompt, None)[0].prompts,
     }
+    recorded = {name: read_proposals(runs_dir / f"eagle-{name}.drafts") for name in results}
     return SpeculativeRun(
         keys=keys,
         outputs={name: dict(zip(PROMPTS, got, strict=True)) for name, got in results.items()},
         object_bytes=object_size(pool.http, keys["clean"][0]),
         proposals={
             name: {
-                prompt: proposals_after(runs_dir / f"eagle-{name}.drafts", len(ids), SPAN)
+                prompt: proposals_after(recorded[name], len(ids), SPAN)
                 for prompt, ids in PROMPTS.items()
             }
             for name in results

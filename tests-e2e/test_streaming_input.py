@@ -36,7 +36,11 @@ def test_a_plain_request_reuses_every_block_a_streaming_session_stored(
 ) -> None:
     reference = references[model]
     first, second = tinymodels.prompt_ids(40, 100), tinymodels.prompt_ids(41, 90)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "MOONCAKE_CONFIG_PATH": str(pool.config_path)}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "MOONCAKE_CONFIG_PATH": str(pool.config_path),
+        "PYTHONPATH": str(Path(__file__).parents[1] / "demo"),  # the session's vllm_instance
+    }
     namespace = f"{NAMESPACE}-{model}"
     session = SessionSpec(
         model=str(reference.model_path),
