@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.integration.window import LayerwiseStrategy
+from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
 from hybridkv.transport import (
     BlockTransfer,
     CacheEntry,

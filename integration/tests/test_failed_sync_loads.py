@@ -25,7 +25,7 @@ from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
 from hybridkv.integration.scheduler import SchedulerSide
-from hybridkv.integration.strategy import WholeBlocks
+from hybridkv.integration.transfer_strategy import WholeBlocks
 from hybridkv.integration.worker import WorkerSide, build_layouts
 from hybridkv.transport import CpuEvent, MemoryStore, TransferEngine
 

@@ -10,7 +10,11 @@ import pytest
 from conftest import require
 from layerwise_rig import ATTENTION, MIXER, ClientFailsReads, Rig, wait_until
 
-from hybridkv.integration.layerwise import VllmLayerwise, build_vllm_layerwise, plan_vllm_layers
+from hybridkv.integration.layerwise.vllm_window import (
+    VllmLayerwise,
+    build_vllm_layerwise,
+    plan_vllm_layers,
+)
 from hybridkv.transport import BlockTransfer, Status
 
 torch = require("torch")

@@ -13,15 +13,20 @@ from conftest import attention, groups, mamba, require
 
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
-from hybridkv.integration.layerwise import VllmLayerPlan, VllmLayerwise
+from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
+from hybridkv.integration.layerwise.vllm_window import VllmLayerPlan, VllmLayerwise
 from hybridkv.integration.metadata import (
     BlockRef,
     FailedLoads,
     HybridKVMetadata,
     RequestTransfers,
 )
-from hybridkv.integration.strategy import SaveWait, Transfers, TransferStrategy, WholeBlocks
-from hybridkv.integration.window import LayerwiseStrategy
+from hybridkv.integration.transfer_strategy import (
+    SaveWait,
+    Transfers,
+    TransferStrategy,
+    WholeBlocks,
+)
 from hybridkv.integration.worker import WorkerSide, build_layouts, tensor_entries
 from hybridkv.transport import (
     BlockTransfer,

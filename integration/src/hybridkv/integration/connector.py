@@ -26,9 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hybridkv.integration.checkpoints import drops_eagle_block, prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
-from hybridkv.integration.events import EventBuilder, PoolAnnouncer, StoredEvents
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.kv_events import EventBuilder, PoolAnnouncer, StoredEvents
 from hybridkv.integration.logs import follow_vllm_logging
 from hybridkv.integration.lookup import (
     LOOPBACK,
@@ -43,7 +43,7 @@ from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
-from hybridkv.integration.strategy import TransferStrategy, WholeBlocks
+from hybridkv.integration.transfer_strategy import TransferStrategy, WholeBlocks
 from hybridkv.integration.worker import WorkerSide, build_layouts
 from hybridkv.keys import model_name
 from hybridkv.transport import TransferEngine, make_event
@@ -429,7 +429,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._announcer.add(reports.get_all_events())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """`BlockStored` for blocks every storing head has put in the pool (see events.py)."""
+        """`BlockStored` for blocks every storing head has put in the pool (see kv_events.py)."""
         return self._announcer.take() if self._announcer is not None else ()
 
     def reset_cache(self) -> bool:
@@ -544,7 +544,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _strategy(self, engine: TransferEngine, device: str) -> TransferStrategy:
         if self.config.use_layerwise:
-            from hybridkv.integration.layerwise import build_vllm_layerwise
+            from hybridkv.integration.layerwise.vllm_window import build_vllm_layerwise
 
             context = self._vllm_config.compilation_config.static_forward_context
             return build_vllm_layerwise(engine, context, device, self._vllm_config)

@@ -27,9 +27,9 @@ from typing import Any
 from hybridkv.coordinator import FullAttention, Hit, Masks, RecurrentState
 from hybridkv.integration.checkpoints import Checkpoint, PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.events import EventBuilder
-from hybridkv.integration.fresh import FreshPrefixes
+from hybridkv.integration.fresh_prefixes import FreshPrefixes
 from hybridkv.integration.keying import KeySpace, RequestHashes
+from hybridkv.integration.kv_events import EventBuilder
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
 from hybridkv.integration.quarantine import Quarantine
 

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from hybridkv.integration.events import HeadStored
 from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.kv_events import HeadStored
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
-from hybridkv.integration.strategy import TransferStrategy, all_failed
+from hybridkv.integration.transfer_strategy import TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
     CacheEntry,

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hybridkv.integration.strategy import SaveWait, Transfers, all_failed
-from hybridkv.integration.window import LayerwiseStrategy
+from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
+from hybridkv.integration.transfer_strategy import SaveWait, Transfers, all_failed
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
 log = logging.getLogger(__name__)
@@ -323,7 +323,7 @@ def build_vllm_layerwise(
         riders_through=max((layer_of[name] for name in plan.riders), default=None),
     )
     if on_npu:
-        from hybridkv.integration.ascend import install_ascend_windows
+        from hybridkv.integration.layerwise.ascend_window import install_ascend_windows
 
         windows = install_ascend_windows(
             strategy,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.integration.fresh import FreshPrefixes
+from hybridkv.integration.fresh_prefixes import FreshPrefixes
 
 _ops = st.lists(st.tuples(st.sampled_from(["add", "holds", "clear"]), st.binary(max_size=1)))
 

@@ -8,9 +8,9 @@ from typing import Any
 from conftest import attention, groups, mamba, scheduler_output
 
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.events import EventBuilder, HeadStored, PoolAnnouncer, StoredEvents
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.kv_events import EventBuilder, HeadStored, PoolAnnouncer, StoredEvents
 from hybridkv.integration.scheduler import SchedulerSide
 
 TOKENS = list(range(100, 100 + 200))

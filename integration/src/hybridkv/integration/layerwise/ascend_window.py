@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hybridkv.integration.window import LayerwiseStrategy
+from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
 
 # Opens the window of one attention layer around its op.
 Window = Callable[[str], AbstractContextManager[None]]

@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hybridkv.integration.strategy import Transfers
+from hybridkv.integration.transfer_strategy import Transfers
 from hybridkv.transport import Event, LayerwiseStep, TransferEngine, TransferResult
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,13 @@ The worker calls the same points every step, whatever the mode:
   `wait_for_save`;
 - `close()` at shutdown.
 
-`WholeBlocks` (here) moves each object in one piece: loads land before the forward, saves
-start after it and finish in the background. `hybridkv.integration.layerwise.VllmLayerwise`
-moves them layer by layer while the model computes. Either way a step's saves have
-completed before the worker lets vLLM reuse a block (what `end_step` returns, waited for
-by the worker's barrier: at the next step's first hook where vLLM calls that before it
-writes any block, else before `wait_for_save` returns).
+`WholeBlocks` (here) moves each object in one piece: loads land before the forward,
+saves start after it and finish in the background.
+`hybridkv.integration.layerwise.vllm_window.VllmLayerwise` moves them layer by layer
+while the model computes. Either way a step's saves have completed before the worker
+lets vLLM reuse a block (what `end_step` returns, waited for by the worker's barrier: at
+the next step's first hook where vLLM calls that before it writes any block, else before
+`wait_for_save` returns).
 """
 
 from __future__ import annotations

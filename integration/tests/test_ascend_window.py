@@ -22,12 +22,12 @@ from fakes.ascend_runtime import AttentionLayer, FakeAttnMetadata
 from fakes.npu import FakeNpuDevice, npu_namespace, torch_npu_module
 from layerwise_rig import ClientFailsReads, GatedStore, Rig, wait_until
 
-from hybridkv.integration.ascend import (
+from hybridkv.integration.layerwise.ascend_window import (
     GraphModeNotSupportedError,
     install_ascend_windows,
     require_eager,
 )
-from hybridkv.integration.layerwise import VllmLayerwise, plan_vllm_layers
+from hybridkv.integration.layerwise.vllm_window import VllmLayerwise, plan_vllm_layers
 from hybridkv.transport import CpuEvent, Event, LayerwiseStep, MemoryStore, make_event
 
 # vLLM (and through it transformers) probes for torch_npu on import; import the layer
@@ -389,7 +389,7 @@ def test_build_on_npu_installs_the_windows_and_shutdown_removes_them(
 ) -> None:
     from vllm_ascend.attention.attention_v1 import AscendAttentionBackendImpl
 
-    from hybridkv.integration.layerwise import build_vllm_layerwise
+    from hybridkv.integration.layerwise.vllm_window import build_vllm_layerwise
 
     original = AscendAttentionBackendImpl.__dict__["forward_impl"]
     rig = Rig(groups={0: (16, (0,))}, reporters={})
