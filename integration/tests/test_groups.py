@@ -331,8 +331,8 @@ def test_weights_that_compute_other_kv_hash_every_block_apart(vllm_specs: Any) -
     dtype, RoPE overrides): no block hash in common, so neither loads the other's KV."""
     import torch
 
-    from hybridkv.integration.connector import weights_identity
     from hybridkv.integration.keying import RequestHashes
+    from hybridkv.integration.weights import weights_identity
 
     def config(**model: Any) -> Any:
         return SimpleNamespace(

@@ -8,7 +8,6 @@ digest) from `kv_cache_config`, so they agree on every key without talking about
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -44,6 +43,7 @@ from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
 from hybridkv.integration.transfer_strategy import TransferStrategy, WholeBlocks
+from hybridkv.integration.weights import weights_identity
 from hybridkv.integration.worker import WorkerSide, build_layouts
 from hybridkv.keys import model_name
 from hybridkv.transport import TransferEngine, make_event
@@ -97,26 +97,6 @@ def plan_from_vllm(
         _pipeline_stages(vllm_config),
         weights_identity(vllm_config),
     )
-
-
-def weights_identity(vllm_config: VllmConfig) -> str:
-    """What makes one prefix's KV differ between instances of one model name and cache
-    layout: the checkpoint revision, quantization, compute and cache dtypes, config
-    overrides (e.g. RoPE scaling). Folded into every block hash."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    overrides = model.hf_overrides
-    identity = {
-        "revision": model.revision,
-        "code_revision": model.code_revision,
-        "quantization": model.quantization,
-        "quantization_config": model.quantization_config,
-        "dtype": str(model.dtype),
-        "kv_cache_dtype": str(cache.cache_dtype),
-        "hf_overrides": (
-            f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides) else overrides
-        ),
-    }
-    return json.dumps(identity, sort_keys=True, default=repr)
 
 
 def _pipeline_stages(vllm_config: VllmConfig) -> list[tuple[int, int]]:
