@@ -122,11 +122,14 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6", "mypy>=1.11", *TEST_TOOLS, "pyzmq>=25", "numpy>=1.24")
+    session.install(
+        "ruff>=0.6", "mypy>=1.11", "import-linter>=2.1", *TEST_TOOLS, "pyzmq>=25", "numpy>=1.24"
+    )
     session.install(KEYS, COORDINATOR, TRANSPORT, INTEGRATION)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    session.run("lint-imports")  # the layering contracts in pyproject.toml
 
 
 @nox.session(python=PYTHON)
