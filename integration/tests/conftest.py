@@ -64,6 +64,8 @@ def model_config(heads: int = 2, **fields: Any) -> SimpleNamespace:
     import torch
 
     defaults: dict[str, Any] = dict(
+        model="",
+        model_weights="",
         revision=None,
         code_revision=None,
         quantization=None,

@@ -186,7 +186,7 @@ def test_the_digest_follows_how_vllm_orders_a_blocks_heads_and_tokens(
             cache_config=cache,
             model_config=model_config(heads),
         )
-        return plan_from_vllm(vllm_config, kv_cache_config, "").digest
+        return plan_from_vllm(vllm_config, kv_cache_config, "", "").digest
 
     digests = {layout: digest(layout) for layout in ("LBHNC", "BLHNC", "LBNHC", "BLNHC")}
     assert digests["LBHNC"] == digests["BLHNC"]
@@ -297,7 +297,7 @@ def test_parallelism_that_splits_a_block_across_ranks_is_refused(setting: str) -
         parallel_config=ParallelConfig(tensor_parallel_size=2, **{setting: 2})
     )
     with pytest.raises(ValueError, match=f"does not support .* yet \\({setting}=2\\)"):
-        plan_from_vllm(vllm_config, SimpleNamespace(), "ns")
+        plan_from_vllm(vllm_config, SimpleNamespace(), "ns", "")
 
 
 @pytest.mark.parametrize(("dbo", "ubatch"), [(True, 0), (False, 2)])
@@ -324,40 +324,6 @@ def test_layers_are_numbered_as_vllm_binds_their_caches() -> None:
     assert layer_numbers(names, "qwen3_next") == dict(zip(names, [3, 0], strict=True))
     with pytest.raises(AssertionError, match="only contain one integer"):
         layer_numbers(longcat, "llama")
-
-
-def test_weights_that_compute_other_kv_hash_every_block_apart(vllm_specs: Any) -> None:
-    """One model name and cache layout, other weights (a revision, a quantization, a
-    dtype, RoPE overrides): no block hash in common, so neither loads the other's KV."""
-    import torch
-
-    from hybridkv.integration.keying import RequestHashes
-    from hybridkv.integration.weights import weights_identity
-
-    def config(**model: Any) -> Any:
-        return SimpleNamespace(
-            model_config=model_config(**model), cache_config=SimpleNamespace(cache_dtype="auto")
-        )
-
-    configs = [
-        config(),
-        config(revision="v2"),
-        config(quantization="fp8"),
-        config(dtype=torch.float16),
-        config(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),
-    ]
-    identities = [weights_identity(c) for c in configs]
-    assert len(set(identities)) == len(configs)
-    assert weights_identity(config()) == identities[0]  # another process, the same weights
-    specs = groups(vllm_specs, (["a"], attention(vllm_specs)))
-    tokens = list(range(64))
-    hashes = []
-    for identity in [*identities, identities[0]]:
-        request_hashes = RequestHashes(plan_groups(specs, [0], SHAPE, weights=identity), "", None)
-        request_hashes.cover(tokens, 64)
-        hashes.append(request_hashes.for_group(32))
-    assert hashes[0] == hashes[-1]
-    assert len({block for blocks in hashes for block in blocks}) == 2 * len(configs)
 
 
 def _mla(specs: Any, head_size: int) -> Any:

@@ -83,6 +83,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     prompt_tails: bool = True
     # Keeps deployments that share one pool apart: folded into every block hash and key.
     namespace: str = ""
+    # Names the weights where their files cannot tell them apart (weights updated in
+    # memory, as RL trainers do; a fine-tune the fingerprint's samples miss): folded into
+    # every block hash, so instances share KV only with the same weights_version.
+    weights_version: str = ""
     # AscendStoreConnector's backend selector; only Mooncake is offered.
     backend: Literal["mooncake"] = "mooncake"
     # "memory" is an in-process store for tests: it cannot share KV between processes.

@@ -64,8 +64,9 @@ logger = logging.getLogger(__name__)
 
 
 def plan_from_vllm(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str, weights: str
 ) -> KVPlan:
+    """`weights`: what besides the layout makes the KV differ (`weights_identity`)."""
     parallel = vllm_config.parallel_config
     for what, setting, size in (
         # Context-parallel ranks hold the same heads but different tokens of each block:
@@ -95,7 +96,7 @@ def plan_from_vllm(
         shape,
         namespace,
         _pipeline_stages(vllm_config),
-        weights_identity(vllm_config),
+        weights,
     )
 
 
@@ -283,7 +284,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_endpoint = f"tcp://{LOOPBACK}:{port}" if port else f"ipc://{self._socket_path}"
         if self.config.use_layerwise:
             refuse_layerwise_micro_batches(vllm_config)
-        self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        weights = weights_identity(vllm_config, self.config.weights_version)
+        self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace, weights)
         self.keys = KeySpace(
             self.plan, model_name(vllm_config.model_config.model), self.config.namespace
         )

@@ -78,8 +78,9 @@ def check_head(head: object) -> None:
 def model_name(text: str) -> str:
     """The key's model field for a model as vLLM users name it (hub id or local path).
 
-    Only the last path component is kept so that instances loading the same weights from
-    different directories (or from the hub) share their cached blocks; a path is
+    Only the last path component is kept, for people reading keys: what tells two
+    checkpoints of one name apart belongs in the block hash (the integration folds a
+    fingerprint of the weights into it), so copies in other directories share; a path is
     normalised first, and one that names no directory by itself (`.`, `..`) is refused:
     every model given so would share one name.
     """
