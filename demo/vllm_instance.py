@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,15 +105,21 @@ class PromptResult(msgspec.Struct, kw_only=True):
     transfer: dict[str, float] | None = None
 
 
-def write_pool_config(path: Path, master_address: str, local_buffer_size: int = 64 << 20) -> Path:
+def write_pool_config(
+    path: Path,
+    master_address: str,
+    local_buffer_size: int = 64 << 20,
+    local_hostname: str = "127.0.0.1",
+) -> Path:
     """The `MOONCAKE_CONFIG_PATH` file of instances that lend the pool no memory: a segment
     holder keeps what they store, so it outlives them. vLLM's MooncakeStoreConnector reads
-    the same file ("standalone-store" is its name for that topology)."""
+    the same file ("standalone-store" is its name for that topology). `local_hostname`:
+    the address other hosts reach the instance at."""
     config = {
         "master_server_address": master_address,
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
+        "local_hostname": local_hostname,
         "mode": "standalone-store",
         "global_segment_size": 0,
         "local_buffer_size": local_buffer_size,
@@ -167,9 +173,11 @@ def run_instance(
     name: str,
     env: dict[str, str],
     timeout_s: float = 600.0,
+    launcher: Sequence[str] = (),
 ) -> InstanceResult:
-    """Run ``spec`` in a fresh process group; raise :class:`InstanceError` on any error."""
-    return run_script(Path(__file__), spec, InstanceResult, workdir, name, env, timeout_s)
+    """Run ``spec`` in a fresh process group; raise :class:`InstanceError` on any error.
+    `launcher`: a command prefix the instance runs under (e.g. `ip netns exec HOST`)."""
+    return run_script(Path(__file__), spec, InstanceResult, workdir, name, env, timeout_s, launcher)
 
 
 def run_script(
@@ -180,16 +188,17 @@ def run_script(
     name: str,
     env: dict[str, str],
     timeout_s: float = 600.0,
+    launcher: Sequence[str] = (),
 ) -> R:
-    """Run ``python script SPEC RESULT`` in a fresh process group and decode its RESULT;
-    raise :class:`InstanceError` on any error."""
+    """Run ``python script SPEC RESULT`` (under `launcher`) in a fresh process group and
+    decode its RESULT; raise :class:`InstanceError` on any error."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
     log_path = workdir / f"{name}.log"
     spec_path.write_bytes(msgspec.json.encode(spec))
     result_path.unlink(missing_ok=True)
-    argv = [sys.executable, str(script.resolve()), str(spec_path), str(result_path)]
+    argv = [*launcher, sys.executable, str(script.resolve()), str(spec_path), str(result_path)]
     child = start_group(argv, log_path, env)
     try:
         code: int | None = child.wait(timeout_s)

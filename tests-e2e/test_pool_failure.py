@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import tinymodels
@@ -35,7 +34,7 @@ from api_server import (
     MODEL,
     QUARANTINED,
     SAVED,
-    Server,
+    Phase,
     served,
 )
 from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
@@ -49,22 +48,12 @@ WATCHED = (EXTERNAL_HITS, FAILED_LOADS, FAILED_LOOKUPS, FAILED_SAVES, QUARANTINE
 
 
 @dataclass
-class Phase:
-    answer: dict[str, Any]
-    counters: dict[str, float]  # what the request moved
-
-
-@dataclass
 class PoolLost:
     stored: list[Phase]  # server A, the pool whole
     holder_lost: Phase  # server B, the first prompt, its holder killed
     asked_again: Phase  # server B, the first prompt again, after a local cache reset
     listed_when_asked_again: int  # keys the master listed then
     master_lost: Phase  # server B, the second prompt, its master killed too
-
-
-def _ask(server: Server, prompt: list[int]) -> Phase:
-    return Phase(*server.complete_counted(prompt, WATCHED))
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +76,18 @@ def pool_lost(
     holder_log = config_path.parent / "holder.log"
     with SegmentHolder.start(master.address, 256 << 20, log_path=holder_log) as holder:
         with served(model, env, runs_dir / "lost-writer.log") as writer:
-            stored = [_ask(writer, prompt) for prompt in PROMPTS]
+            stored = [writer.ask(prompt, WATCHED) for prompt in PROMPTS]
         # A quarantine far longer than the test: on a slow machine the default 30 s could
         # lapse before the prompt is asked again.
         quarantine = {"failed_load_quarantine_s": 600}
         with served(model, env, runs_dir / "lost-reader.log", extra=quarantine) as reader:
             holder.kill()
-            holder_lost = _ask(reader, PROMPTS[0])
+            holder_lost = reader.ask(PROMPTS[0], WATCHED)
             reader.reset_prefix_cache()
             listed = len(list_pool_keys(f"{master.host}:{master.metrics_port}"))
-            asked_again = _ask(reader, PROMPTS[0])
+            asked_again = reader.ask(PROMPTS[0], WATCHED)
             master.kill()
-            master_lost = _ask(reader, PROMPTS[1])
+            master_lost = reader.ask(PROMPTS[1], WATCHED)
             reader.get("/health")  # raises unless the server still says it is healthy
             return PoolLost(stored, holder_lost, asked_again, listed, master_lost)
 
