@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import nox
 
@@ -130,6 +131,9 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
     session.run("lint-imports")  # the layering contracts in pyproject.toml
+    session.install("kubernetes-validate>=1.30")
+    manifests = sorted(str(path) for path in Path("docs/deploy/k8s").glob("*.yaml"))
+    session.run("kubernetes-validate", "--strict", "--quiet", *manifests)
 
 
 @nox.session(python=PYTHON)
