@@ -72,7 +72,7 @@ from hybridkv.transport import (
     SegmentHolder,
     TransferEngine,
 )
-from hybridkv.transport.mooncake_store import load_client_class
+from hybridkv.transport.mooncake_client import load_client_class
 
 LAYERS = 61
 # group -> (cache name, bytes per block per layer): fp8 MLA latent (16 tokens x 576),

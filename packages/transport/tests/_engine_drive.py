@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches
 
+from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.engine import TransferEngine
-from hybridkv.transport.events import CpuEvent
+from hybridkv.transport.outcome import TransferResult
 from hybridkv.transport.ownership import BlockTransfer
 from hybridkv.transport.pipeline import PipelineOptions
-from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
 
 # "whole": save()/load() (default, staged); "staged"/"layer"/"group": layerwise steps at

@@ -24,12 +24,13 @@ from _engine_drive import (
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 from _engine_stores import BrokenEvent, FailingCommitStore, FailingOpenStore, fail_at_call
 
-from hybridkv.transport import BlockTransfer, TransferEngine, sessions
+from hybridkv.transport import BlockTransfer, TransferEngine, store_calls
+from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.errors import Status, StoreClosed, StoreUnavailable
-from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
-from hybridkv.transport.stale import StaleSessions
+from hybridkv.transport.outcome import Outcome
+from hybridkv.transport.stale_put_sessions import StaleSessions
 from hybridkv.transport.store import Pointers, Sizes
 from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
 
@@ -335,8 +336,8 @@ def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
     mode: str, block_major: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Staged calls cut into one part per key: the broken key's part sits between good ones.
-    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
-    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    monkeypatch.setattr(store_calls, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(store_calls, "OVERLAP_PARTS", 1000)
     store = MemoryStore()
     prefix = unique_prefix()
     source = Caches(num_blocks=8, seed=14)
@@ -373,8 +374,8 @@ def test_a_get_failing_mid_layer_names_the_blocks_before_they_are_used(
 def test_a_staged_put_failing_in_one_part_drops_only_its_key(
     block_major: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
-    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    monkeypatch.setattr(store_calls, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(store_calls, "OVERLAP_PARTS", 1000)
     store = MemoryStore()
     prefix = unique_prefix()
     source = Caches(num_blocks=8, seed=16, block_major=block_major)
@@ -747,8 +748,8 @@ def test_a_whole_load_that_raises_still_knows_what_the_store_failed(
 ) -> None:
     """One part of a whole load fails a key (a status), a later part raises: `wait()`
     raises, and the ticket still names the key the store failed."""
-    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
-    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    monkeypatch.setattr(store_calls, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(store_calls, "OVERLAP_PARTS", 1000)
     store = ReadRaises("batch_get_whole", at=1)
     source, saves = filled_caches_and_saves(seed=37)
     with engine_for(store, source, "whole") as writer:
@@ -763,7 +764,7 @@ def test_a_whole_load_that_raises_still_knows_what_the_store_failed(
 
 
 def test_an_outcome_s_result_is_a_snapshot() -> None:
-    outcome = sessions.Outcome()
+    outcome = Outcome()
     outcome.failed(0, ["a"], [1])
     taken = outcome.result()
     outcome.failed(0, ["b"], [2], blamed=False)

@@ -14,9 +14,10 @@ import pytest
 from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save, unique_prefix
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 
-from hybridkv.transport import sessions
-from hybridkv.transport.engine import LayerwiseStep, TransferEngine
-from hybridkv.transport.events import CpuEvent
+from hybridkv.transport import store_calls
+from hybridkv.transport.device_events import CpuEvent
+from hybridkv.transport.engine import TransferEngine
+from hybridkv.transport.layerwise_step import LayerwiseStep
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
 from hybridkv.transport.memory_store import MemoryStore
@@ -69,8 +70,8 @@ def test_staged_calls_in_many_parts_round_trip(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One part per key: each part of a staged call is copied while the next one moves."""
-    monkeypatch.setattr(sessions, "MIN_PART_BYTES", 1)
-    monkeypatch.setattr(sessions, "OVERLAP_PARTS", 1000)
+    monkeypatch.setattr(store_calls, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(store_calls, "OVERLAP_PARTS", 1000)
     round_trip(store, reader_store, write_mode, read_mode)
 
 

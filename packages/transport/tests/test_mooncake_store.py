@@ -22,7 +22,8 @@ from hybridkv.transport.errors import (
     UnsupportedClient,
 )
 from hybridkv.transport.master import MasterProcess, free_port
-from hybridkv.transport.mooncake_store import MooncakeStore, _prepare_environment
+from hybridkv.transport.mooncake_client import prepare_environment
+from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.testing import (
     StartHolder,
     StartMaster,
@@ -62,13 +63,13 @@ def test_the_transfer_engine_is_told_the_host_only_when_it_is_an_ipv4_address(
     """Mooncake reads MC_TCP_BIND_ADDRESS as an IPv4 address: a host name (or digits that
     are none) is left for it to resolve."""
     monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
-    _prepare_environment(mooncake_config("127.0.0.1:1", local_hostname=hostname))
+    prepare_environment(mooncake_config("127.0.0.1:1", local_hostname=hostname))
     assert os.environ.get("MC_TCP_BIND_ADDRESS") == advertised
 
 
 def test_a_bind_address_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.2")
-    _prepare_environment(mooncake_config("127.0.0.1:1", local_hostname="127.0.0.1"))
+    prepare_environment(mooncake_config("127.0.0.1:1", local_hostname="127.0.0.1"))
     assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.2"
 
 

@@ -14,13 +14,15 @@ from _engine_stores import GateEvent, RecordingStore
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hybridkv.transport.batches import GroupBatch
+from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.engine import TransferEngine
-from hybridkv.transport.events import CpuEvent
+from hybridkv.transport.layerwise_staged_reads import LayerClaims
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.ownership import BlockTransfer, Claim, Direction
 from hybridkv.transport.pipeline import Granularity, PipelineOptions, PoolPressure
-from hybridkv.transport.sessions import GroupBatch, LayerClaims, Writes
+from hybridkv.transport.writes import Writes
 
 LAYERS = 12
 BLOCK = 256

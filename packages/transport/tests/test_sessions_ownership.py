@@ -11,13 +11,13 @@ from _engine_drive import MODES, engine_for, load, read_object, save, unique_pre
 from _engine_model import NUM_LAYERS, Caches, transfers
 from _engine_stores import GateEvent
 
+from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.errors import Status
-from hybridkv.transport.events import CpuEvent
 from hybridkv.transport.memory_store import MemoryStore
+from hybridkv.transport.outcome import TransferResult
 from hybridkv.transport.ownership import BlockTransfer, Claim, OwnedBlock, RideOutcome
 from hybridkv.transport.pipeline import PipelineOptions
-from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
 
 

@@ -14,9 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from hybridkv.transport import PipelineOptions
-from hybridkv.transport.config import MooncakeConfig, parse_size
-from hybridkv.transport.pipeline import Granularity
+from hybridkv.transport import Granularity, MooncakeConfig, PipelineOptions, parse_size
 
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 

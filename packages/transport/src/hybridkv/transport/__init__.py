@@ -5,8 +5,9 @@ tests and deployments run (master, segment holder). Engine half: the object layo
 group's block, device-readiness events, and the engine moving blocks whole or layerwise.
 """
 
-from hybridkv.transport.config import MooncakeConfig
-from hybridkv.transport.engine import LayerwiseStep, Ticket, TransferEngine
+from hybridkv.transport.config import MooncakeConfig, parse_size
+from hybridkv.transport.device_events import CpuEvent, Event, make_event
+from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.errors import (
     InvalidRequestError,
     NoSpaceError,
@@ -18,22 +19,24 @@ from hybridkv.transport.errors import (
     TransferError,
     UnsupportedClient,
 )
-from hybridkv.transport.events import CpuEvent, Event, make_event
+from hybridkv.transport.layerwise_step import LayerwiseStep
 from hybridkv.transport.layout import CacheEntry, GroupLayout
 from hybridkv.transport.master import MasterProcess
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.outcome import TransferResult
 from hybridkv.transport.ownership import BlockTransfer, OwnedBlock
-from hybridkv.transport.pipeline import PipelineOptions
+from hybridkv.transport.pipeline import Granularity, PipelineOptions
 from hybridkv.transport.segment_holder import SegmentHolder
-from hybridkv.transport.sessions import TransferResult
 from hybridkv.transport.store import Store
+from hybridkv.transport.ticket import Ticket
 
 __all__ = [
     "BlockTransfer",
     "CacheEntry",
     "CpuEvent",
     "Event",
+    "Granularity",
     "GroupLayout",
     "InvalidRequestError",
     "LayerwiseStep",
@@ -57,4 +60,5 @@ __all__ = [
     "TransferResult",
     "UnsupportedClient",
     "make_event",
+    "parse_size",
 ]

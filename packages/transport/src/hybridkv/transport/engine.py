@@ -8,15 +8,20 @@ that is not a store failure is re-raised to the caller that waits for the transf
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
+from hybridkv.transport.batches import group_batches
+from hybridkv.transport.device_events import Event
 from hybridkv.transport.errors import StoreError
-from hybridkv.transport.events import Event
+from hybridkv.transport.get_session_pins import GetPins
+from hybridkv.transport.layerwise_staged_reads import LayerwiseStagedReads
+from hybridkv.transport.layerwise_step import LayerwiseStep
 from hybridkv.transport.layout import GroupLayout
+from hybridkv.transport.outcome import Outcome
 from hybridkv.transport.ownership import (
     BlockTransfer,
     Claim,
@@ -25,76 +30,42 @@ from hybridkv.transport.ownership import (
     Ownership,
     RequestTracker,
 )
-from hybridkv.transport.pins import GetPins
-from hybridkv.transport.pipeline import Backlog, Job, PipelineOptions, PoolPressure, Worker
-from hybridkv.transport.sessions import (
-    ClientSessions,
-    LayerwiseStagedReads,
-    Outcome,
-    RangedReads,
-    RangedWrites,
-    Reads,
-    StagedReads,
-    StagedWrites,
-    TransferResult,
-    WholeReads,
-    WholeWrites,
-    Writes,
-    group_batches,
+from hybridkv.transport.pipeline import (
+    Backlog,
+    Granularity,
+    Job,
+    PipelineOptions,
+    PoolPressure,
+    Worker,
 )
+from hybridkv.transport.reads import RangedReads, Reads, StagedReads, WholeReads
 from hybridkv.transport.staging import StagingPool
-from hybridkv.transport.stale import StaleSessions
+from hybridkv.transport.stale_put_sessions import StaleSessions
 from hybridkv.transport.store import Store
+from hybridkv.transport.store_calls import ClientSessions, Transfers
+from hybridkv.transport.ticket import Ticket
+from hybridkv.transport.writes import RangedWrites, StagedWrites, WholeWrites, Writes
 
 log = logging.getLogger(__name__)
 
-# Layerwise steps and whole-object save/load, per granularity.
-_WRITES: dict[str, type[Writes]] = {
-    "staged": StagedWrites, "layer": RangedWrites, "group": WholeWrites
-}  # fmt: skip
-_READS: dict[str, type[Reads]] = {
-    "staged": LayerwiseStagedReads, "layer": RangedReads, "group": WholeReads
-}  # fmt: skip
-_WHOLE_WRITES: dict[str, type[WholeWrites]] = {
-    "staged": StagedWrites, "layer": WholeWrites, "group": WholeWrites
-}  # fmt: skip
-_WHOLE_READS: dict[str, type[Reads]] = {
-    "staged": StagedReads, "layer": WholeReads, "group": WholeReads
-}  # fmt: skip
+SessionT = TypeVar("SessionT", bound=Transfers)
 
 
-class Ticket:
-    """A transfer running in the background; `wait()` returns its result or raises.
+class SessionKinds(NamedTuple):
+    """The session classes of one granularity: for layerwise steps, and for whole-object
+    saves and loads."""
 
-    Saves that ride on another transfer's write of the same key complete when that write
-    settles, and carry its failure: one riding on an open layerwise step's write waits
-    for that step's `finish()`, so the thread that finishes the step must not wait for
-    the ticket first (the integration never mixes whole saves with open steps).
-    """
+    step_writes: type[Writes]
+    step_reads: type[Reads]
+    whole_writes: type[WholeWrites]
+    whole_reads: type[Reads]
 
-    def __init__(self, jobs: Sequence[Job], outcomes: Sequence[Outcome]) -> None:
-        self._jobs = list(jobs)
-        self._outcomes = list(outcomes)
 
-    @property
-    def done(self) -> bool:
-        """True once every job ran and every write this rides on settled."""
-        jobs_done = all(job.done for job in self._jobs)
-        return jobs_done and not any(outcome.riding for outcome in self._outcomes)
-
-    def blamed_keys(self) -> list[str]:
-        """Keys the store failed so far (see `TransferResult.blamed_keys`), also once
-        `wait()` raised: what a load that raised still knows to distrust."""
-        return [key for outcome in self._outcomes for key in outcome.result().blamed_keys]
-
-    def wait(self, timeout: float | None = None) -> TransferResult:
-        for job in self._jobs:
-            job.wait(timeout)
-        result = TransferResult()
-        for outcome in self._outcomes:
-            outcome.wait_riders(timeout)
-            result = result.merged(outcome.result())
-        return result
+SESSION_KINDS: dict[Granularity, SessionKinds] = {
+    "staged": SessionKinds(StagedWrites, LayerwiseStagedReads, StagedWrites, StagedReads),
+    "layer": SessionKinds(RangedWrites, RangedReads, WholeWrites, WholeReads),
+    "group": SessionKinds(WholeWrites, WholeReads, WholeWrites, WholeReads),
+}
 
 
 class TransferEngine:
@@ -139,6 +110,8 @@ class TransferEngine:
         self._steps: dict[LayerwiseStep, None] = {}  # open steps, in the order they began
         self._sender = Worker("hybridkv-send")
         self._receiver = Worker("hybridkv-receive")
+        self._kinds = SESSION_KINDS[self.options.granularity]
+        self._host = _StepHost(self)
 
     # -- whole objects ----------------------------------------------------------------
 
@@ -151,14 +124,7 @@ class TransferEngine:
         with self._lock:
             self._check(transfers)
             claim, outcome = self._claim(transfers)
-            writes = _WHOLE_WRITES[self.options.granularity](
-                self.store,
-                self.options,
-                group_batches(self.layouts, claim.write),
-                outcome,
-                self.staging,
-                client=self._client,
-            )
+            writes = self._session(self._kinds.whole_writes, claim.write, outcome)
 
             def work() -> None:
                 try:
@@ -183,14 +149,7 @@ class TransferEngine:
         with self._lock:
             self._check(transfers)
             outcome = Outcome()
-            reads = _WHOLE_READS[self.options.granularity](
-                self.store,
-                self.options,
-                group_batches(self.layouts, transfers),
-                outcome,
-                self.staging,
-                client=self._client,
-            )
+            reads = self._session(self._kinds.whole_reads, transfers, outcome)
             reads.ready = ready
 
             def work() -> None:
@@ -221,7 +180,11 @@ class TransferEngine:
         with self._lock:  # a step is listed in the order of its claims (see `finish`)
             self._check(loads)
             self._check(saves)
-            step = LayerwiseStep(self, loads, saves, ready)
+            reads = self._session(self._kinds.step_reads, loads, Outcome())
+            claim, outcome = self._claim(saves)
+            writes = self._session(self._kinds.step_writes, claim.write, outcome)
+            self._tracker.begin("load", _requests(loads))
+            step = LayerwiseStep(self._host, loads, reads, claim, writes, ready)
             self._steps[step] = None
         return step
 
@@ -380,220 +343,58 @@ class TransferEngine:
                     contended=transfer.key in contended,
                 )
 
-    def _end_steps_before(self, step: LayerwiseStep) -> None:
-        """End every step still open that began before `step`: any write it rides on."""
+    def _session(
+        self, kind: type[SessionT], transfers: Sequence[BlockTransfer], outcome: Outcome
+    ) -> SessionT:
+        """A session of `kind` over `transfers`, grouped into batches."""
+        batches = group_batches(self.layouts, transfers)
+        return kind(self.store, self.options, batches, outcome, self.staging, client=self._client)
+
+    def _open_steps_before(self, step: LayerwiseStep) -> list[LayerwiseStep]:
         with self._lock:
             steps = list(self._steps)
-        for earlier in steps[: steps.index(step)] if step in steps else []:
-            earlier._end()
+        return steps[: steps.index(step)] if step in steps else []
 
     def _forget_step(self, step: LayerwiseStep) -> None:
         with self._lock:
             self._steps.pop(step, None)
 
 
-class LayerwiseStep:
-    """One forward step's layer-by-layer transfers.
+class _StepHost:
+    """The engine as its layerwise steps see it (a `StepHost`): worker threads, the backlog,
+    and the bookkeeping of a step's end, looked up on the engine at each call."""
 
-    Call `wait_layer_loaded(L)` before layer L reads its KV, `save_layer(L, event)` after
-    layer L wrote it (event recorded on its stream), `checkpoint()` at attention
-    boundaries, and `finish()` once the step is over.
-
-    The step ends (its end jobs are queued) once: at its first `finish()`, or at the
-    `finish()` of a later step still riding on an open step's writes; then `save_layer`
-    raises.
-    """
-
-    def __init__(
-        self,
-        engine: TransferEngine,
-        loads: Sequence[BlockTransfer],
-        saves: Sequence[BlockTransfer],
-        ready: Event | None = None,
-    ) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         self._engine = engine
-        options = engine.options
-        self._load_outcome = Outcome()
-        self._reads = _READS[options.granularity](
-            engine.store,
-            options,
-            group_batches(engine.layouts, loads),
-            self._load_outcome,
-            engine.staging,
-            client=engine._client,
-        )
-        self._reads.ready = ready
-        self._loads = list(loads)
-        self._claim, self._save_outcome = engine._claim(saves)
-        self._writes = _WRITES[options.granularity](
-            engine.store,
-            options,
-            group_batches(engine.layouts, self._claim.write),
-            self._save_outcome,
-            engine.staging,
-            client=engine._client,
-        )
-        self._save_layers = self._writes.layers
-        self._group_layers = self._writes.group_layers()
-        self._saved: set[int] = set()
-        # Saved layers whose write is bookkeeping only, for the next hand-over to do.
-        self._deferred: list[tuple[int, Event]] = []
-        self._read_jobs: list[Job] = []
-        self._jobs: list[Job] = []
-        self._lock = threading.Lock()  # the end jobs are queued once, after every other job
-        self._ended = False
-        self._result: TransferResult | None = None
-        engine._tracker.begin("load", _requests(loads))
-        if self._reads.batches:
-            self._jobs.append(engine._receiver.submit(self._reads.begin))
-            self._schedule_reads(options.prefetch_layers + 1)
-        self._jobs.append(engine._sender.submit(functools.partial(engine._prepare, self._writes)))
 
-    def wait_layer_loaded(self, layer: int, ready: Event | None = None) -> dict[int, set[int]]:
-        """Block until every load this layer needs is done; returns failed local blocks.
+    @property
+    def backlog(self) -> Backlog:
+        return self._engine.backlog
 
-        The failed blocks (group -> local blocks, cumulative) hold no valid KV: the caller
-        must not use them and reports them to vLLM for recomputation. `ready`, if given,
-        is the caches' current ready point: loads that have not written yet wait for it.
-        """
-        if ready is not None:
-            self._reads.ready = ready
-        needed = bisect.bisect_right(self._reads.layers, layer)
-        with self._lock:
-            self._schedule_reads(needed + self._engine.options.prefetch_layers)
-        if needed:
-            self._jobs[0].wait()  # the session start
-            for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
-                job.wait()  # raises the first error
-        return self._load_outcome.failed_blocks()
+    @property
+    def prefetch_layers(self) -> int:
+        return self._engine.options.prefetch_layers
 
-    def blamed_loads(self) -> list[str]:
-        """Keys whose reads the store failed so far (a status about them): the objects to
-        distrust.
+    def send(self, work: Callable[[], None]) -> Job:
+        return self._engine._sender.submit(work)
 
-        Unlike `wait_layer_loaded`, safe once the step raised. Blocks a client error
-        failed (every block its call or any later layer touched), or a call the master
-        did not answer, are failed but not counted here: no object is at fault there.
-        """
-        return self._load_outcome.result().blamed_keys
+    def receive(self, work: Callable[[], None]) -> Job:
+        return self._engine._receiver.submit(work)
 
-    def save_layer(self, layer: int, event: Event) -> None:
-        """Queue layer `layer`'s saves; they read its KV only after `event`.
+    def prepare(self, writes: Writes) -> None:
+        self._engine._prepare(writes)
 
-        A layer that moves no bytes yet (its groups are put whole once complete, and it
-        completes none) is not handed to the send thread: the next hand-over waits for its
-        event and counts it written, so a step of one-piece objects wakes that thread once
-        per group instead of once per layer.
-        """
-        self._check_open()
-        if layer in self._saved:
-            raise ValueError(f"layer {layer} was already saved in this step")
-        self._saved.add(layer)
-        if layer not in self._save_layers:
-            return
-        pending = [*self._deferred, (layer, event)]
-        if not self._writes.moves_bytes_at(layer) and not any(
-            layer in layers and layers <= self._saved for layers in self._group_layers
-        ):
-            self._deferred = pending
-            return
-        self._deferred = []
-        backlog = self._engine.backlog
-        backlog.acquire()
+    def settle(self, claim: Claim, writes: Writes) -> None:
+        self._engine._settle(claim, writes)
 
-        def work() -> None:
-            try:
-                for saved, ready in pending:
-                    ready.synchronize()
-                    self._writes.write_layer(saved)
-            finally:
-                backlog.release()
+    def loads_ended(self, request_ids: Sequence[str]) -> None:
+        self._engine._tracker.end("load", request_ids)
 
-        try:
-            with self._lock:
-                self._check_open()
-                self._jobs.append(self._engine._sender.submit(work))
-        except BaseException:
-            backlog.release()
-            raise
+    def open_steps_before(self, step: LayerwiseStep) -> list[LayerwiseStep]:
+        return self._engine._open_steps_before(step)
 
-    def checkpoint(self) -> None:
-        """At an attention boundary: at most `backlog` saves in flight; surface errors."""
-        self._engine.backlog.wait_at_most(self._engine.backlog.bound)
-        for job in self._jobs:
-            if job.done and job.error is not None:
-                raise job.error
-
-    def finish(self) -> TransferResult:
-        """Complete every load, commit or revoke every save, then report (or raise).
-
-        Safe to call again or from another thread (`close()`): every call waits for the
-        same end jobs and returns the same result or raises the same error. Saves still
-        riding once this step's jobs ran ride on a write of a step begun earlier and still
-        open, whose end jobs only its own `finish()` would queue: every step begun before
-        this one is ended then (groups they have not saved yet are dropped). In order
-        (vLLM's one step at a time) none is open and nothing changes.
-        """
-        engine = self._engine
-        jobs = self._end()
-        errors = []
-        for job in jobs:
-            try:
-                job.wait()
-            except BaseException as exc:
-                errors.append(exc)
-        if self._save_outcome.riding:
-            engine._end_steps_before(self)
-        self._save_outcome.wait_riders()
-        engine._forget_step(self)
-        with self._lock:
-            if self._result is None:
-                self._result = self._load_outcome.result().merged(self._save_outcome.result())
-            result = self._result
-        if errors:
-            raise errors[0]
-        return result
-
-    def _end(self) -> list[Job]:
-        """Queue the end jobs (finish every load, commit or revoke every save) once;
-        returns every job of the step."""
-        engine = self._engine
-
-        def end_reads() -> None:
-            try:
-                self._reads.end()
-            finally:
-                self._reads.unstage()
-                engine._tracker.end("load", _requests(self._loads))
-
-        def end_writes() -> None:
-            try:
-                self._writes.abort()
-            finally:
-                self._writes.unstage()
-                engine._settle(self._claim, self._writes)
-
-        with self._lock:
-            if not self._ended:
-                self._ended = True
-                self._schedule_reads(len(self._reads.layers))
-                self._jobs.append(engine._receiver.submit(end_reads))
-                self._jobs.append(engine._sender.submit(end_writes))
-            return list(self._jobs)
-
-    def _check_open(self) -> None:
-        if self._ended:
-            raise RuntimeError("the layerwise step has ended: finish() was called")
-
-    def _schedule_reads(self, count: int) -> None:
-        """Queue the read jobs of the first `count` layers; callers hold `self._lock` or
-        run before the step is shared (its end schedules every layer)."""
-        layers = self._reads.layers
-        while len(self._read_jobs) < min(count, len(layers)):
-            layer = layers[len(self._read_jobs)]
-            job = self._engine._receiver.submit(functools.partial(self._reads.read, layer))
-            self._read_jobs.append(job)
-            self._jobs.append(job)
+    def forget(self, step: LayerwiseStep) -> None:
+        self._engine._forget_step(step)
 
 
 def _requests(transfers: Sequence[BlockTransfer]) -> list[str]:

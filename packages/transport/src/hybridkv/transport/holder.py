@@ -20,8 +20,8 @@ from types import FrameType
 from hybridkv.transport.config import MooncakeConfig, parse_size
 from hybridkv.transport.master import LOOPBACK
 from hybridkv.transport.mooncake_store import MooncakeStore
-from hybridkv.transport.populate import new_regions, populate, writable_anonymous_regions
 from hybridkv.transport.segment_holder import READY_LINE, SegmentHolder
+from hybridkv.transport.segment_prefault import new_regions, populate, writable_anonymous_regions
 
 __all__ = ["SegmentHolder", "main"]  # SegmentHolder stays importable from here too
 

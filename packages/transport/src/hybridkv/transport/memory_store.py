@@ -8,13 +8,20 @@ suite runs the same checks against both).
 
 from __future__ import annotations
 
-import ctypes
-import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from hybridkv.transport.errors import InvalidRequestError, Status, StoreClosed, error_for
+from hybridkv.transport.memory_pool import (
+    OPERATIONS,
+    Fault,
+    KeyMatch,
+    MemoryPool,
+    StoredObject,
+    copy_in,
+    copy_out,
+    offsets_of,
+)
 from hybridkv.transport.store import (
     Offsets,
     Pointers,
@@ -23,81 +30,6 @@ from hybridkv.transport.store import (
     check_ranges,
     check_whole,
 )
-
-KeyMatch = Collection[str] | Callable[[str], bool]
-
-OPERATIONS = frozenset(
-    {
-        "batch_is_readable",
-        "batch_put_whole",
-        "batch_get_whole",
-        "put_session_start",
-        "put_ranges",
-        "put_session_end",
-        "put_session_revoke",
-        "get_session_start",
-        "get_ranges",
-        "batch_remove",
-    }
-)
-
-
-@dataclass
-class _Fault:
-    operation: str
-    match: KeyMatch
-    status: Status
-    calls_left: int
-
-    def matches(self, key: str) -> bool:
-        return self.match(key) if callable(self.match) else key in self.match
-
-
-class _Object:
-    """Bytes of one object plus what Mooncake tracks about it."""
-
-    def __init__(self, size: int, writer: int = 0) -> None:
-        self.buffer = ctypes.create_string_buffer(size)
-        self.size = size
-        self.address = ctypes.addressof(self.buffer)
-        self.lease_until = 0.0
-        self.writer = writer  # the client whose put session it is in, until committed
-        self.opened = time.monotonic()
-
-    def leased(self) -> bool:
-        """A read's lease holds it: only a forced removal takes it."""
-        return self.lease_until > time.monotonic()
-
-    def ranges_fit(self, sizes: Sizes, offsets: Offsets) -> bool:
-        return len(sizes) > 0 and all(
-            size >= 0 and offset >= 0 and offset + size <= self.size
-            for size, offset in zip(sizes, offsets, strict=True)
-        )
-
-
-def _offsets_of(sizes: Sizes) -> list[int]:
-    """Offsets of pieces laid end to end, as a whole put or get places them."""
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
-
-
-class _Pool:
-    """What every client of one in-memory pool shares."""
-
-    def __init__(self, capacity: int | None, lease_ttl_s: float, put_discard_s: float) -> None:
-        self.capacity = capacity
-        self.lease_ttl_s = lease_ttl_s
-        self.put_discard_s = put_discard_s
-        self.lock = threading.Lock()
-        self.committed: dict[str, _Object] = {}
-        self.open_puts: dict[str, _Object] = {}
-        self.lost: dict[str, set[int]] = {}  # key -> clients whose session was taken over
-        self.faults: list[_Fault] = []
-        self.used = 0
-        self.clients = 0
 
 
 class MemoryStore:
@@ -116,15 +48,15 @@ class MemoryStore:
     ) -> None:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must not be negative, got {capacity}")
-        self._join(_Pool(capacity, lease_ttl_s, put_discard_s))
+        self._join(MemoryPool(capacity, lease_ttl_s, put_discard_s))
 
-    def _join(self, pool: _Pool) -> None:
+    def _join(self, pool: MemoryPool) -> None:
         self._pool = pool
         with pool.lock:
             pool.clients += 1
             self._id = pool.clients
         self._closed = False
-        self._get_sessions: dict[str, _Object] = {}
+        self._get_sessions: dict[str, StoredObject] = {}
 
     def another_client(self) -> MemoryStore:
         """A second client of this pool, lending it no memory (an instance beside a
@@ -150,7 +82,7 @@ class MemoryStore:
         if calls < 1:
             raise ValueError(f"calls must be at least 1, got {calls}")
         with self._pool.lock:
-            self._pool.faults.append(_Fault(operation, keys, status, calls))
+            self._pool.faults.append(Fault(operation, keys, status, calls))
 
     def clear_faults(self) -> None:
         """Drop every fault `fail_next` queued that has not fired yet."""
@@ -220,7 +152,7 @@ class MemoryStore:
                 obj = self._pool.committed[key]
                 if sum(sizes[index]) != obj.size:
                     return Status.INVALID
-                _copy_out(obj, ptrs[index], sizes[index], _offsets_of(sizes[index]))
+                copy_out(obj, ptrs[index], sizes[index], offsets_of(sizes[index]))
                 obj.lease_until = time.monotonic() + self._pool.lease_ttl_s
             return status
 
@@ -245,7 +177,7 @@ class MemoryStore:
                 return Status.INVALID
             if not self._reserve(size):
                 return Status.NO_SPACE
-            self._pool.open_puts[key] = _Object(size, writer=self._id)
+            self._pool.open_puts[key] = StoredObject(size, writer=self._id)
             self._pool.lost.get(key, set()).discard(self._id)
             started.add(key)
             return Status.OK
@@ -259,7 +191,7 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        return self._ranges("put_ranges", self._put_target, _copy_in, keys, ptrs, sizes, offsets)
+        return self._ranges("put_ranges", self._put_target, copy_in, keys, ptrs, sizes, offsets)
 
     def put_session_end(self, keys: Sequence[str]) -> list[Status]:
         def commit(key: str) -> None:
@@ -291,7 +223,7 @@ class MemoryStore:
         sizes: Sequence[Sizes],
         offsets: Sequence[Offsets],
     ) -> list[Status]:
-        return self._ranges("get_ranges", self._pinned, _copy_out, keys, ptrs, sizes, offsets)
+        return self._ranges("get_ranges", self._pinned, copy_out, keys, ptrs, sizes, offsets)
 
     def get_session_end(self, keys: Sequence[str]) -> None:
         with self._pool.lock:
@@ -357,8 +289,8 @@ class MemoryStore:
     def _ranges(
         self,
         operation: str,
-        session: Callable[[str], _Object | Status | None],
-        copy: Callable[[_Object, Pointers, Sizes, Offsets], None],
+        session: Callable[[str], StoredObject | Status | None],
+        copy: Callable[[StoredObject, Pointers, Sizes, Offsets], None],
         keys: Sequence[str],
         ptrs: Sequence[Pointers],
         sizes: Sequence[Sizes],
@@ -393,7 +325,7 @@ class MemoryStore:
 
     # -- internals (called with the lock held) ----------------------------------------
 
-    def _pinned(self, key: str) -> _Object | Status | None:
+    def _pinned(self, key: str) -> StoredObject | Status | None:
         """The object a get session pinned, as Mooncake serves it: gone once removed, and
         unreadable once the lease the pin took has expired (until pinned again)."""
         obj = self._get_sessions.get(key)
@@ -421,7 +353,7 @@ class MemoryStore:
                     self._pool.faults.remove(fault)
         return forced
 
-    def _own_put(self, key: str) -> _Object | None:
+    def _own_put(self, key: str) -> StoredObject | None:
         """The object of this client's open put session for `key`, if it has one."""
         obj = self._pool.open_puts.get(key)
         return obj if obj is not None and obj.writer == self._id else None
@@ -438,7 +370,7 @@ class MemoryStore:
         self._pool.lost.setdefault(key, set()).add(obj.writer)
         return False
 
-    def _put_target(self, key: str) -> _Object | Status | None:
+    def _put_target(self, key: str) -> StoredObject | Status | None:
         """Where this client's ranges of `key` go: its open session's object, or nowhere
         (OK, as Mooncake answers) if another client took the session over."""
         own = self._own_put(key)
@@ -475,17 +407,7 @@ class MemoryStore:
             return Status.INVALID
         if not self._reserve(total):
             return Status.NO_SPACE
-        obj = _Object(total)
-        _copy_in(obj, ptrs, sizes, _offsets_of(sizes))
+        obj = StoredObject(total)
+        copy_in(obj, ptrs, sizes, offsets_of(sizes))
         self._pool.committed[key] = obj
         return Status.OK
-
-
-def _copy_in(obj: _Object, ptrs: Pointers, sizes: Sizes, offsets: Offsets) -> None:
-    for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
-        ctypes.memmove(obj.address + offset, ptr, size)
-
-
-def _copy_out(obj: _Object, ptrs: Pointers, sizes: Sizes, offsets: Offsets) -> None:
-    for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
-        ctypes.memmove(ptr, obj.address + offset, size)

@@ -25,7 +25,8 @@ from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
 from hybridkv.transport.master import LOOPBACK, MasterProcess, free_port
 from hybridkv.transport.memory_store import MemoryStore
-from hybridkv.transport.mooncake_store import MooncakeStore, load_client_class
+from hybridkv.transport.mooncake_client import load_client_class
+from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.segment_holder import SegmentHolder
 from hybridkv.transport.store import Store
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from _proc import resident_bytes
 
-from hybridkv.transport.populate import new_regions, populate, writable_anonymous_regions
+from hybridkv.transport.segment_prefault import new_regions, populate, writable_anonymous_regions
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux's /proc and madvise")
 
@@ -34,6 +34,6 @@ def test_a_new_mapping_is_found_and_populated_without_changing_its_bytes() -> No
 def test_a_region_the_kernel_refuses_is_skipped_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level("WARNING", logger="hybridkv.transport.populate"):
+    with caplog.at_level("WARNING", logger="hybridkv.transport.segment_prefault"):
         assert populate({(4096, 4096)}) == 0  # page 1: never mapped
     assert "could not populate 4096 B at 0x1000" in caplog.text

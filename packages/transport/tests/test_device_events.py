@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hybridkv.transport.events import CpuEvent, Event, make_event
+from hybridkv.transport.device_events import CpuEvent, Event, make_event
 
 
 def test_cpu_event_satisfies_the_protocol_and_never_blocks() -> None:

@@ -1,0 +1,46 @@
+"""A whole-object save or load running in the background, and how to wait for it.
+
+Its result is complete only once its jobs ran and every write it rides on settled: saves
+that ride on another transfer's write of the same key carry that write's failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.transport.outcome import Outcome, TransferResult
+from hybridkv.transport.pipeline import Job
+
+
+class Ticket:
+    """A transfer running in the background; `wait()` returns its result or raises.
+
+    Saves that ride on another transfer's write of the same key complete when that write
+    settles, and carry its failure: one riding on an open layerwise step's write waits
+    for that step's `finish()`, so the thread that finishes the step must not wait for
+    the ticket first (the integration never mixes whole saves with open steps).
+    """
+
+    def __init__(self, jobs: Sequence[Job], outcomes: Sequence[Outcome]) -> None:
+        self._jobs = list(jobs)
+        self._outcomes = list(outcomes)
+
+    @property
+    def done(self) -> bool:
+        """True once every job ran and every write this rides on settled."""
+        jobs_done = all(job.done for job in self._jobs)
+        return jobs_done and not any(outcome.riding for outcome in self._outcomes)
+
+    def blamed_keys(self) -> list[str]:
+        """Keys the store failed so far (see `TransferResult.blamed_keys`), also once
+        `wait()` raised: what a load that raised still knows to distrust."""
+        return [key for outcome in self._outcomes for key in outcome.result().blamed_keys]
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        for job in self._jobs:
+            job.wait(timeout)
+        result = TransferResult()
+        for outcome in self._outcomes:
+            outcome.wait_riders(timeout)
+            result = result.merged(outcome.result())
+        return result
