@@ -1,12 +1,12 @@
 """The scheduler's requests to the pool, made of worker rank 0 over ZMQ.
 
-The scheduler process holds no store client; worker rank 0 does. One REQ/REP round trip
-per lookup carries every key of that lookup (msgspec-encoded); a cache reset asks for the
-model's objects to be removed the same way (which objects, the server alone decides: its
-own model's, so that whoever reaches its loopback port cannot name others'). The server
-answers every request, a malformed one with an error, and survives anything a request
-does; the client gives up after a timeout and reports "unknown", which the scheduler
-treats as a miss (recompute), never as a hang.
+The scheduler process holds no store client; worker rank 0 does. One round trip (DEALER to
+REP) per lookup carries every key of that lookup (msgspec-encoded; past the request caps
+below, several do); a cache reset asks for the model's objects to be removed the same way
+(which objects, the server alone decides: its own model's, so that whoever reaches its
+loopback port cannot name others'). The server answers every request, a malformed one with
+an error, and survives anything a request does; the client gives up after a timeout and
+reports "unknown", which the scheduler treats as a miss (recompute), never as a hang.
 
 Unless a fixed loopback port is configured, worker rank 0 listens on a Unix socket in a
 directory only its user can enter, named by the engine: no other local user can ask it
@@ -228,8 +228,8 @@ class LookupServer:
         try:
             request = _decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            # e.g. "Expected `array` of length <= 65536 - at `$.keys`": our clients split
-            # longer lookups, so this is a foreign or broken peer.
+            # e.g. "Expected `array` of length <= 65536 - at `$.keys`": a client of ours
+            # splits longer lookups, so this comes from a foreign or broken peer.
             logger.warning("hybridkv lookup request refused: %s", exc)
             return LookupReply(error=f"malformed lookup request: {exc}")
         if isinstance(request, RemoveRequest):
@@ -419,7 +419,9 @@ class LookupClient:
                             fallback,
                         )
                         return None
-                    logger.warning("hybridkv lookup: a reply counted as lost; asking again")
+                    logger.warning(
+                        "hybridkv lookup: a timed-out reply counted as lost: %s sent", what
+                    )
                 self._late = None  # its caller has moved on
             self._sent += 1
             request_id = self._sent.to_bytes(8, "big")
