@@ -425,15 +425,16 @@ def test_a_server_restarted_on_its_port_answers_lookups_within_a_timeout(
     after the time-out, then go to whatever listens there now (they stayed misses
     forever, 'still busy with a timed-out request')."""
     address = f"tcp://{LOOPBACK}:{free_ports(1)}"
-    client = LookupClient(address, timeout_ms=300)
+    client = LookupClient(address, timeout_ms=1000)
     _killed_after_a_lost_request(address, client)
-    timed_out = time.monotonic()
+    timed_out = time.monotonic()  # a little after the client's time-out
     restarted = _rebind(address)
     try:
         with caplog.at_level(logging.WARNING):
             assert client.query(["yes"]) is None  # within the period: not sent
-            assert answer_once_free(client, ["yes", "no"]) == [True, False]
-        assert time.monotonic() - timed_out < 0.3 + 1.0
+            time.sleep(max(0.0, timed_out + 1.0 - time.monotonic()))
+            assert client.query(["yes", "no"]) == [True, False]  # the first one after it
+        assert "still busy with a timed-out request" in caplog.text
         assert "counted as lost" in caplog.text
         assert client.query(["no", "yes"]) == [False, True]
     finally:
@@ -441,18 +442,16 @@ def test_a_server_restarted_on_its_port_answers_lookups_within_a_timeout(
         restarted.close()
 
 
-def test_a_removal_after_a_lost_reply_is_bounded_by_one_timeout(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_removal_after_a_lost_reply_is_bounded_by_one_timeout() -> None:
     """remove() waited its whole 60 s for the lost reply, then gave up without asking."""
     address = f"tcp://{LOOPBACK}:{free_ports(1)}"
-    client = LookupClient(address, timeout_ms=300)
+    client = LookupClient(address, timeout_ms=1000)
     _killed_after_a_lost_request(address, client)
+    timed_out = time.monotonic()
     restarted = _rebind(address, remove=Removal())
     try:
-        started = time.monotonic()
         assert client.remove() == 20
-        assert time.monotonic() - started < 0.3 + 1.0
+        assert time.monotonic() - timed_out < 1.0 + 1.0  # the period, then its answer
         assert client.query(["yes"]) == [True]
     finally:
         client.close()
