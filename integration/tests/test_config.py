@@ -78,6 +78,16 @@ def test_every_key_is_accepted() -> None:
         ({"failed_load_quarantine_s": float("inf")}, "failed_load_quarantine_s"),
         ({"full_pool_pause_s": float("inf")}, "full_pool_pause_s"),
         ({"lookup_timeout_ms": 2**31}, "lookup_timeout_ms"),  # past ZMQ's C int
+        # Accepted, then failing at every save (its buffer is allocated at the first).
+        ({"staging_bytes": 10**30}, r"staging_bytes must be at most this host's memory \("),
+        ({"staging_bytes": "1000000TB"}, "staging_bytes must be at most"),
+        # inf was refused, 1e300 (as long) was not.
+        ({"full_pool_pause_s": 1e300}, "full_pool_pause_s must be at most 86400 seconds"),
+        ({"failed_load_quarantine_s": 1e300}, "failed_load_quarantine_s must be at most 86400"),
+        ({"full_pool_pause_s": float("nan")}, "full_pool_pause_s"),
+        # '~' separates the namespace from the model in keys (see keying.scoped_model).
+        ({"namespace": "a~b"}, "namespace must be printable, without '@', '/' or '~'"),
+        ({"namespace": "n" * 257}, "namespace must be at most 256 characters"),
         ({"mooncake_rpc_port": "six"}, "mooncake_rpc_port"),
         ({"kv_cache_layout": "LHBNC"}, "kv_cache_layout"),  # a block spread over heads
     ],

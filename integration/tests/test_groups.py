@@ -208,7 +208,7 @@ def test_a_namespace_and_a_key_format_have_key_prefixes_of_their_own(vllm_specs:
     spaces = {
         (len(kinds), namespace): (space(kinds, namespace), len(kinds))
         for kinds in (attention_only, hybrid)
-        for namespace in ("", "a", "ab", "b~c")
+        for namespace in ("", "a", "ab", "b-c")
     }
     for name, (keys, count) in spaces.items():
         hashes = [bytes([1]) * 32, bytes([255]) * 32]  # keys starting with 0 and f
@@ -216,6 +216,26 @@ def test_a_namespace_and_a_key_format_have_key_prefixes_of_their_own(vllm_specs:
         for other, (other_keys, _) in spaces.items():
             matches = [key.startswith(tuple(other_keys.prefixes())) for key in own]
             assert all(matches) if other == name else not any(matches), (name, other)
+
+
+def test_a_model_named_like_another_s_namespace_keeps_keys_of_its_own(vllm_specs: Any) -> None:
+    """Model `m` in namespace `a` and model `m~a` in none both rendered `m~a@...`: each
+    read the other's objects, and a reset of the first removed the second's."""
+    config = groups(vllm_specs, (["a"], attention(vllm_specs)))
+    names = [("m", "a"), ("m~a", ""), ("m~a", "b"), ("m", ""), ("m~", "a"), ("m~", "")]
+    spaces = {name: KeySpace(plan_groups(config, [0], SHAPE, name[1]), *name) for name in names}
+    hashes = [bytes([1]) * 32, bytes([255]) * 32]
+    for name, keys in spaces.items():
+        own = keys.keys(0, hashes, [0])
+        for other, other_keys in spaces.items():
+            matches = [key.startswith(tuple(other_keys.prefixes())) for key in own]
+            assert all(matches) if other == name else not any(matches), (name, other)
+    # Ordinary names keep their keys; only a model with '~' and no namespace changed.
+    assert spaces["m", "a"].keys(0, [b"\1"], [0]) == ["m~a@01@0"]
+    assert spaces["m", ""].keys(0, [b"\1"], [0]) == ["m@01@0"]
+    assert spaces["m~a", ""].keys(0, [b"\1"], [0]) == ["m~a~@01@0"]
+    with pytest.raises(ValueError, match="namespace must not contain '~'"):
+        KeySpace(plan_groups(config, [0], SHAPE), "m", "a~b")
 
 
 @pytest.mark.parametrize(

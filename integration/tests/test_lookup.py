@@ -14,12 +14,15 @@ import pytest
 import zmq
 from conftest import attention, groups, model_config
 
+from hybridkv.integration import lookup
 from hybridkv.integration.lookup import (
     LOOPBACK,
+    SECRET_ENV,
     LookupClient,
     LookupServer,
     claim_socket,
     is_private,
+    lookup_secret,
     make_private,
     remove_socket,
     socket_path,
@@ -390,4 +393,221 @@ def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(
     ]
     servers = [LookupServer(_readable, endpoint) for endpoint in endpoints]  # both bind
     for server in servers:
+        server.close()
+
+
+def _rebind(address: str, readable: Any = _readable, **options: Any) -> LookupServer:
+    """A server on `address` once the killed one's listener is gone (bounded retries)."""
+    for _ in range(50):
+        try:
+            return LookupServer(readable, address, **options)
+        except zmq.ZMQError:
+            time.sleep(0.05)
+    raise AssertionError(f"{address} never freed")
+
+
+def _killed_after_a_lost_request(address: str, client: LookupClient) -> None:
+    """A server that takes the client's request and dies without answering."""
+    context = zmq.Context()
+    dying = context.socket(zmq.REP)
+    dying.setsockopt(zmq.LINGER, 0)
+    dying.bind(address)
+    assert client.query(["yes"]) is None  # timed out, unanswered
+    assert dying.poll(2000, zmq.POLLIN)  # it was delivered, then lost with the server
+    dying.close(0)
+    context.term()  # the listener is closed once this returns
+
+
+def test_a_server_restarted_on_its_port_answers_lookups_within_a_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reply lost with its server never comes: lookups are misses for one timeout period
+    after the time-out, then go to whatever listens there now (they stayed misses
+    forever, 'still busy with a timed-out request')."""
+    address = f"tcp://{LOOPBACK}:{free_ports(1)}"
+    client = LookupClient(address, timeout_ms=1000)
+    _killed_after_a_lost_request(address, client)
+    timed_out = time.monotonic()  # a little after the client's time-out
+    restarted = _rebind(address)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert client.query(["yes"]) is None  # within the period: not sent
+            time.sleep(max(0.0, timed_out + 1.0 - time.monotonic()))
+            assert client.query(["yes", "no"]) == [True, False]  # the first one after it
+        assert "still busy with a timed-out request" in caplog.text
+        assert "counted as lost" in caplog.text
+        assert client.query(["no", "yes"]) == [False, True]
+    finally:
+        client.close()
+        restarted.close()
+
+
+def test_a_removal_after_a_lost_reply_is_bounded_by_one_timeout() -> None:
+    """remove() waited its whole 60 s for the lost reply, then gave up without asking."""
+    address = f"tcp://{LOOPBACK}:{free_ports(1)}"
+    client = LookupClient(address, timeout_ms=1000)
+    _killed_after_a_lost_request(address, client)
+    timed_out = time.monotonic()
+    restarted = _rebind(address, remove=Removal())
+    try:
+        assert client.remove() == 20
+        assert time.monotonic() - timed_out < 1.0 + 1.0  # the period, then its answer
+        assert client.query(["yes"]) == [True]
+    finally:
+        client.close()
+        restarted.close()
+
+
+def _raw_request(address: str, *frames: bytes, timeout_ms: int = 2000) -> bytes | None:
+    """One request of a foreign peer (a REQ socket, no hybridkv client): its reply, if any."""
+    context = zmq.Context()
+    raw = context.socket(zmq.REQ)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        raw.send_multipart(list(frames))
+        return raw.recv() if raw.poll(timeout_ms, zmq.POLLIN) else None
+    finally:
+        raw.close(0)
+        context.term()
+
+
+def test_requests_over_the_caps_are_refused_cheaply_and_the_server_serves_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 9.5 MiB request of empty keys cost the server 160 MiB (two lists of 10M items):
+    past the key cap it is refused from the message's header; past the size cap ZMQ drops
+    the peer before the server sees a byte of it."""
+    import tracemalloc
+
+    import msgspec
+
+    asked: list[int] = []
+
+    def counted(keys: Sequence[str]) -> list[bool]:
+        asked.append(len(keys))
+        return _readable(keys)
+
+    server = LookupServer(counted)
+    many = msgspec.msgpack.encode({"type": "lookup", "keys": [""] * 10_000_000})
+    assert 9 << 20 < len(many) < lookup.MAX_REQUEST_BYTES
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            reply = _raw_request(server.address, many)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reply is not None
+    assert f"length <= {lookup.MAX_REQUEST_KEYS}".encode() in reply
+    assert "hybridkv lookup request refused" in caplog.text
+    assert peak < 3 * len(many)  # the message and its copies, no list of its keys
+    oversized = msgspec.msgpack.encode({"type": "lookup", "keys": ["y" * (17 << 20)]})
+    assert _raw_request(server.address, oversized, timeout_ms=500) is None
+    assert b"more than one message part" in (_raw_request(server.address, b"\x80", b"") or b"")
+    assert asked == []
+    client = LookupClient(server.address, timeout_ms=2000)
+    try:
+        assert client.query(["yes", "no"]) == [True, False]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_lookup_past_the_caps_goes_out_in_parts_within_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The longest legitimate lookup (a 1M-token prompt's: millions of keys) must still be
+    answered: the client splits it, by key count and by size."""
+    asked: list[int] = []
+
+    def counted(keys: Sequence[str]) -> list[bool]:
+        asked.append(len(keys))
+        return _readable(keys)
+
+    keys = [f"{'yes' if i % 3 else 'no'}-{i}" for i in range(2 * lookup.MAX_REQUEST_KEYS + 5)]
+    server = LookupServer(counted)
+    client = LookupClient(server.address, timeout_ms=5000)
+    try:
+        assert client.query(keys) == [key.startswith("yes") for key in keys]
+        assert asked == [lookup.MAX_REQUEST_KEYS, lookup.MAX_REQUEST_KEYS, 5]
+    finally:
+        client.close()
+        server.close()
+    monkeypatch.setattr(lookup, "MAX_REQUEST_BYTES", 1000)  # the server's socket too
+    asked.clear()
+    keys = [f"yes-{i:020d}" for i in range(100)]  # ~2.6 kB in one request
+    server = LookupServer(counted)
+    client = LookupClient(server.address, timeout_ms=5000)
+    try:
+        assert client.query(keys) == [True] * 100
+        assert len(asked) == 4
+        assert sum(asked) == 100
+        assert client.query(["y" * 2000]) is None  # one key over the cap: a miss, not sent
+        assert len(asked) == 4
+    finally:
+        client.close()
+        server.close()
+
+
+SECRET = b"correct horse battery staple"
+
+
+def test_with_a_secret_only_its_holders_ask_and_answer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a fixed port any local user could look keys up and reset the pool: with a
+    secret, a peer without it (or with another) completes no handshake: it gets no answer,
+    removes nothing, and cannot answer in the server's place."""
+    monkeypatch.setattr(lookup, "REMOVAL_TIMEOUT_MS", 300)
+    removal = Removal()
+    address = f"tcp://{LOOPBACK}:{free_ports(1)}"
+    server = LookupServer(_readable, address, remove=removal, secret=SECRET)
+    holder = LookupClient(address, timeout_ms=2000, secret=SECRET)
+    strangers = [
+        LookupClient(address, timeout_ms=300, secret=b""),
+        LookupClient(address, timeout_ms=300, secret=b"another secret, long enough"),
+    ]
+    try:
+        assert holder.query(["yes", "no"]) == [True, False]
+        for stranger in strangers:
+            assert stranger.query(["yes"]) is None
+            assert stranger.remove() is None
+        assert _raw_request(address, lookup._encode(lookup.RemoveRequest()), timeout_ms=300) is None
+        assert removal.calls == 0
+        assert holder.remove() == 20
+        assert removal.calls == 1
+    finally:
+        for client in (holder, *strangers):
+            client.close()
+        server.close()
+    squatter = _rebind(address, secret=b"")  # took the port: holders do not trust it
+    holder = LookupClient(address, timeout_ms=300, secret=SECRET)
+    try:
+        assert holder.query(["yes"]) is None
+    finally:
+        holder.close()
+        squatter.close()
+
+
+def test_the_secret_comes_from_the_environment_and_a_short_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert lookup_secret({}) is None
+    with pytest.raises(ValueError, match=f"{SECRET_ENV} must be at least 16 characters"):
+        lookup_secret({SECRET_ENV: "short"})
+    with caplog.at_level(logging.WARNING):  # a fixed port without one: said at start-up
+        open_port = LookupServer(_readable, f"tcp://{LOOPBACK}:{free_ports(1)}")
+    open_port.close()
+    assert SECRET_ENV in caplog.text
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+    server = LookupServer(_readable)
+    holder = LookupClient(server.address, timeout_ms=2000)
+    stranger = LookupClient(server.address, timeout_ms=300, secret=b"")
+    try:
+        assert holder.query(["yes"]) == [True]
+        assert stranger.query(["yes"]) is None
+    finally:
+        holder.close()
+        stranger.close()
         server.close()

@@ -7,7 +7,6 @@ works unchanged). Anything unknown or out of range stops start-up with an error 
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -22,6 +21,22 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _MAX_TIMEOUT_MS = 2**31 - 1  # ZMQ's receive timeout is a C int
+# Pauses and quarantines past a day are "for good" in disguise (1e300 passed where inf
+# was refused): refused like inf.
+MAX_SECONDS = 86_400.0
+# Namespaces are folded into every key: one this long already makes keys of ~400 B.
+MAX_NAMESPACE_CHARS = 256
+_SECONDS_KEYS = ("full_pool_pause_s", "failed_load_quarantine_s")
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory: the most any buffer of this process can hold."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX sysconf: x86-64's 256 TiB
+        return 1 << 48
+
+
 # AscendStoreConnector's examples give ports as strings ("mooncake_rpc_port": "0").
 _PORT_KEYS = ("lookup_rpc_port", "mooncake_rpc_port")
 
@@ -110,9 +125,22 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "hybridkv stores whole blocks, and partial ones only where vLLM's own prefix "
                 "cache would reuse them (prompt_tails)"
             )
-        # It becomes part of the key's model field (single-group format).
-        if "@" in self.namespace or "/" in self.namespace or not self.namespace.isprintable():
-            raise ValueError(f"namespace must be printable, without '@' or '/': {self.namespace!r}")
+        # It becomes part of the key's model field (single-group format), after a '~'.
+        if any(c in self.namespace for c in "@/~") or not self.namespace.isprintable():
+            raise ValueError(
+                f"namespace must be printable, without '@', '/' or '~': {self.namespace!r}"
+            )
+        if len(self.namespace) > MAX_NAMESPACE_CHARS:
+            raise ValueError(
+                f"namespace must be at most {MAX_NAMESPACE_CHARS} characters, "
+                f"got {len(self.namespace)}"
+            )
+        memory = host_memory_bytes()
+        if self.staging_bytes > memory:  # allocated at the first save, failing every save
+            raise ValueError(
+                f"staging_bytes must be at most this host's memory ({memory} B), "
+                f"got {self.staging_bytes}"
+            )
         if self.prefill_pp_size != 1 or self.prefill_pp_layer_partition is not None:
             raise ValueError(
                 "prefill_pp_size / prefill_pp_layer_partition: reading what a prefill "
@@ -122,9 +150,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if self.lookup_rpc_port and self.mooncake_rpc_port:
             raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")
-        for key in ("full_pool_pause_s", "failed_load_quarantine_s"):
-            if not math.isfinite(getattr(self, key)):
-                raise ValueError(f"{key} must be a finite number of seconds")
+        for key in _SECONDS_KEYS:
+            if not getattr(self, key) <= MAX_SECONDS:  # inf and NaN included
+                raise ValueError(
+                    f"{key} must be at most {MAX_SECONDS:g} seconds (a day), "
+                    f"got {getattr(self, key)}"
+                )
 
     def lookup_port(self, data_parallel_rank: int = 0) -> int:
         """The fixed lookup port of a data-parallel engine (0: none, a Unix socket):

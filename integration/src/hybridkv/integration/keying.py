@@ -136,13 +136,25 @@ class RequestHashes:
         return self._hasher.partial_hash(num_tokens, token_ids, extra)
 
 
+def scoped_model(model: str, namespace: str) -> str:
+    """The single-group key's model field: `{model}~{namespace}`, one name per pair.
+
+    A namespace holds no '~', so the last '~' ends the model. A model whose name holds one
+    takes a trailing '~' without a namespace: `m~a~` (model `m~a`), not `m~a` (model `m`,
+    namespace `a`), whose cache reset would remove it. Other names are as before.
+    """
+    if "~" in namespace:
+        raise ValueError(f"namespace must not contain '~': {namespace!r}")
+    return f"{model}~{namespace}" if namespace or "~" in model else model
+
+
 class KeySpace:
     """Renders the keys of every group: BlockKey for one group, HybridKey for several.
 
     Both formats keep namespaces apart in the key, not only in the hash, so that removing
     by key prefix (a cache reset) reaches one namespace: the hybrid format through its
     layout digest, which folds the namespace in; the single-group format, which has no
-    layout field, through its model field (`{model}~{namespace}`).
+    layout field, through its model field (`{model}~{namespace}`, see `scoped_model`).
 
     With pipeline stages each stage's workers write objects of their own layers under
     their stage's `pp_rank`, in the hybrid format (the single-group one has no stage
@@ -179,8 +191,7 @@ class KeySpace:
                 for group in plan.groups
             ]
         else:
-            scoped = f"{model}~{namespace}" if namespace else model
-            self._renderers = [[KeyRenderer.single_group(scoped)]]
+            self._renderers = [[KeyRenderer.single_group(scoped_model(model, namespace))]]
 
     def keys(self, group: int, hashes: Sequence[bytes], heads: Sequence[int]) -> list[str]:
         """Keys of `hashes` in plan group `group`, block-major; within a block stage by

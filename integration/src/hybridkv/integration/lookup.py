@@ -1,12 +1,12 @@
 """The scheduler's requests to the pool, made of worker rank 0 over ZMQ.
 
-The scheduler process holds no store client; worker rank 0 does. One REQ/REP round trip
-per lookup carries every key of that lookup (msgspec-encoded); a cache reset asks for the
-model's objects to be removed the same way (which objects, the server alone decides: its
-own model's, so that whoever reaches its loopback port cannot name others'). The server
-answers every request, a malformed one with an error, and survives anything a request
-does; the client gives up after a timeout and reports "unknown", which the scheduler
-treats as a miss (recompute), never as a hang.
+The scheduler process holds no store client; worker rank 0 does. One round trip (DEALER to
+REP) per lookup carries every key of that lookup (msgspec-encoded; past the request caps
+below, several do); a cache reset asks for the model's objects to be removed the same way
+(which objects, the server alone decides: its own model's, so that whoever reaches its
+loopback port cannot name others'). The server answers every request, a malformed one with
+an error, and survives anything a request does; the client gives up after a timeout and
+reports "unknown", which the scheduler treats as a miss (recompute), never as a hang.
 
 Unless a fixed loopback port is configured, worker rank 0 listens on a Unix socket in a
 directory only its user can enter, named by the engine: no other local user can ask it
@@ -14,6 +14,13 @@ anything (a loopback port is open to every user of the host), and the scheduler 
 without a port to pass around. Once answered, the scheduler removes the socket's path
 (its connection stays): nobody else can connect from then on, and no file outlives the
 instance even when its workers are killed.
+
+A fixed port is open to every local user: with `HYBRIDKV_LOOKUP_SECRET` set on both sides,
+the server speaks ZMQ CURVE with keys derived from it, so that a peer without the secret
+completes no handshake (it can neither ask nor answer) and nothing it sends reaches the
+server as a request. The server refuses requests past `MAX_REQUEST_KEYS` keys or
+`MAX_REQUEST_BYTES` bytes (ZMQ drops a peer that sends a larger message); the client
+splits a longer lookup into several round trips under those caps.
 """
 
 from __future__ import annotations
@@ -26,11 +33,14 @@ import socket
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import zmq
+from zmq.utils import z85
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +53,23 @@ REMOVAL_TIMEOUT_MS = 60_000
 # How long closing waits for an answer in progress (a pool call that hangs) before
 # leaving the server's thread and socket to the process's exit.
 CLOSE_TIMEOUT_S = 5.0
+# What one request may carry. A 1M-token prompt at 16-token blocks, 8 storing heads and
+# 4 groups asks 2M keys of ~130 B: 32 round trips of at most 65,536 keys (~8.5 MiB) each.
+# A request costs the server about 2.5x its size while it is decoded and answered.
+MAX_REQUEST_KEYS = 1 << 16
+MAX_REQUEST_BYTES = 16 << 20
+# Requests a peer may have queued at the server (ZMQ's default, 1000, times the size cap
+# would let one connection hold 16 GiB): the client has one in flight, two after a loss.
+_SERVER_QUEUE = 4
+# Stale replies (to timed-out requests) the client drops while waiting for its own.
+_MAX_STALE_REPLIES = 16
+SECRET_ENV = "HYBRIDKV_LOOKUP_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
-    keys: list[str]
+    # Checked from the message's array header, before any key is decoded.
+    keys: Annotated[list[str], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
 
 
 class RemoveRequest(msgspec.Struct, frozen=True, tag="remove"):
@@ -59,12 +82,45 @@ class LookupReply(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+_MULTIPART = LookupReply(error="malformed lookup request: more than one message part")
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(LookupRequest | RemoveRequest).decode
 _decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
 
 Readability = Callable[[Sequence[str]], list[bool]]
 Removal = Callable[[], int]
+
+
+def lookup_secret(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The shared secret of authenticated lookups (`HYBRIDKV_LOOKUP_SECRET`), or None.
+
+    Read from the environment, not kv_connector_extra_config, which vLLM logs. Refused
+    when too short to resist guessing, or when this pyzmq has no CURVE.
+    """
+    text = environ.get(SECRET_ENV, "")
+    if not text:
+        return None
+    if len(text) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"{SECRET_ENV} must be at least {MIN_SECRET_CHARS} characters, got {len(text)}"
+        )
+    if not zmq.has("curve"):
+        raise RuntimeError(f"{SECRET_ENV} is set, but this pyzmq has no CURVE support")
+    return text.encode()
+
+
+def _server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The server's CURVE key pair (public, secret), derived from the shared secret: only
+    a holder of the secret knows the server's public key, which a client must know to
+    complete the handshake, and only the server can prove it holds the secret key."""
+    seed = hashlib.blake2b(secret, digest_size=32, person=b"hybridkv-lookup").digest()
+    secret_key = z85.encode(seed)
+    return zmq.curve_public(secret_key), secret_key
+
+
+def _resolve_secret(secret: bytes | None) -> bytes | None:
+    return lookup_secret() if secret is None else secret or None
 
 
 def socket_path(instance: str) -> Path:
@@ -129,19 +185,39 @@ def remove_socket(path: Path) -> None:
 
 class LookupServer:
     """REP socket (loopback TCP or a Unix socket) answering `LookupRequest`s from a
-    readability function and `RemoveRequest`s from a removal function."""
+    readability function and `RemoveRequest`s from a removal function.
+
+    `secret`: the shared secret of CURVE authentication; None reads `HYBRIDKV_LOOKUP_SECRET`
+    (unset: none), b"" is none.
+    """
 
     def __init__(
         self,
         readable: Readability,
         endpoint: str = f"tcp://{LOOPBACK}:*",
         remove: Removal | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self._readable = readable
         self._remove = remove
+        secret = _resolve_secret(secret)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._socket.setsockopt(zmq.RCVHWM, _SERVER_QUEUE)
+        if secret is not None:
+            public, secret_key = _server_keys(secret)
+            self._socket.curve_secretkey = secret_key
+            self._socket.curve_publickey = public
+            self._socket.curve_server = True
+        elif endpoint.startswith("tcp://"):
+            logger.warning(
+                "hybridkv lookup server on %s: any local user can look keys up and reset "
+                "this model's pool objects; set %s on the scheduler and workers",
+                endpoint,
+                SECRET_ENV,
+            )
         self._socket.bind(endpoint)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
@@ -152,6 +228,9 @@ class LookupServer:
         try:
             request = _decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # e.g. "Expected `array` of length <= 65536 - at `$.keys`": a client of ours
+            # splits longer lookups, so this comes from a foreign or broken peer.
+            logger.warning("hybridkv lookup request refused: %s", exc)
             return LookupReply(error=f"malformed lookup request: {exc}")
         if isinstance(request, RemoveRequest):
             return self._answer_remove()
@@ -182,7 +261,7 @@ class LookupServer:
                     continue
                 payload = self._socket.recv()
                 try:
-                    reply = self._answer(payload)
+                    reply = self._answer(payload) if not self._rest_dropped() else _MULTIPART
                 except Exception as exc:  # a bug must not end the thread: lookups would
                     logger.exception("hybridkv lookup server failed to answer")  # time out
                     reply = LookupReply(error=f"lookup failed: {type(exc).__name__}: {exc}")
@@ -191,6 +270,15 @@ class LookupServer:
                 if self._stop.is_set():
                     return
                 logger.warning("hybridkv lookup server socket error: %s", exc)
+
+    def _rest_dropped(self) -> bool:
+        """Whether the request had more parts than one, dropped (a reply needs them read).
+        Bounded: ZMQ delivers a message whole, each part within the size cap."""
+        more = False
+        while self._socket.getsockopt(zmq.RCVMORE):
+            self._socket.recv(copy=False)
+            more = True
+        return more
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Whether the server stopped (False: an answer still runs, its store call too)."""
@@ -208,16 +296,22 @@ class LookupServer:
 
 
 class LookupClient:
-    """REQ side; `query` returns None (and warns) instead of waiting past the timeout.
+    """DEALER side of the REP server; `query` returns None (and warns) instead of waiting
+    past the timeout.
 
     `address` may be a function answering None until the server is known; it is asked
     from construction on until it answers, and never again. `answered` is called once,
     after the first answer: the connection stands, and the scheduler removes the Unix
     socket's path then, so that nobody else can connect and nothing is left behind.
+    `secret` as for `LookupServer`.
 
-    While a timed-out request is still unanswered, lookups are misses at once, not sent:
-    a server slower than the timeout would otherwise answer a queue that only grows, and
-    every lookup would wait out the timeout on the scheduler's loop.
+    Each request carries an id that its reply echoes (REP returns the envelope), so a late
+    reply is told apart and dropped; the socket never closes its connection (a Unix
+    socket's path is gone once answered). For one timeout period after a request timed
+    out, lookups are misses at once, not sent: a server slower than the timeout would
+    otherwise answer a queue that only grows, and every lookup would wait out the timeout
+    on the scheduler's loop. After that period the reply counts as lost (a server killed
+    and restarted on the same port never sends it): the next request goes out.
     """
 
     def __init__(
@@ -225,14 +319,18 @@ class LookupClient:
         address: str | Callable[[], str | None],
         timeout_ms: int,
         answered: Callable[[], None] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self._find = address if callable(address) else lambda: address
         self._address = self._find()
         self._timeout_ms = timeout_ms
         self._answered = answered
+        self._secret = _resolve_secret(secret)
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
-        self._unanswered = False  # a request timed out and its reply has not come yet
+        self._sent = 0  # requests sent: the next one's id
+        self._late: bytes | None = None  # the id of a timed-out request still unanswered
+        self._late_since = 0.0
 
     def _connect(self) -> zmq.Socket[bytes] | None:
         if self._socket is not None:
@@ -242,15 +340,14 @@ class LookupClient:
         address = self._address
         if address is None:
             return None
-        socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
+        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-            # A request that timed out stays unanswered: the next one goes out on the same
-            # connection, and the late reply is told apart and dropped. The connection, not
-            # the socket's path, is what a lookup needs once answered.
-            socket.setsockopt(zmq.REQ_RELAXED, 1)
-            socket.setsockopt(zmq.REQ_CORRELATE, 1)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            if self._secret is not None:
+                socket.curve_serverkey = _server_keys(self._secret)[0]
+                socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
             socket.connect(address)
         except zmq.ZMQError:
             socket.close(0)
@@ -259,31 +356,48 @@ class LookupClient:
         return socket
 
     def query(self, keys: Sequence[str]) -> list[bool] | None:
-        """Readability of every key, or None when the server cannot answer in time."""
-        reply = self._ask(
-            LookupRequest(list(keys)), "lookup", "recomputing instead", self._timeout_ms, 0
-        )
-        return None if reply is None else reply.readable
+        """Readability of every key, or None when the server cannot answer in time.
+
+        A lookup past the server's caps goes out in several requests, all within the one
+        timeout."""
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        try:
+            payloads = _lookup_payloads(list(keys))
+        except ValueError as exc:
+            logger.warning("hybridkv lookup not sent (%s): recomputing instead", exc)
+            return None
+        readable: list[bool] = []
+        for count, payload in payloads:
+            remaining_ms = max(1, round((deadline - time.monotonic()) * 1000))
+            reply = self._ask(
+                payload, "lookup", "recomputing instead", remaining_ms, wait_late=False
+            )
+            if reply is None or reply.readable is None:
+                return None
+            if len(reply.readable) != count:
+                logger.warning(
+                    "hybridkv lookup answered %d of %d keys: recomputing instead",
+                    len(reply.readable),
+                    count,
+                )
+                return None
+            readable.extend(reply.readable)
+        return readable
 
     def remove(self) -> int | None:
-        """Objects of the server's model removed, or None when the server did not answer."""
+        """Objects of the server's model removed, or None when the server did not answer
+        within the removal's timeout (waiting for a late reply included)."""
         timeout_ms = max(self._timeout_ms, REMOVAL_TIMEOUT_MS)
-        reply = self._ask(
-            RemoveRequest(), "removal", "the pool may keep them", timeout_ms, timeout_ms
-        )
+        payload = _encode(RemoveRequest())
+        reply = self._ask(payload, "removal", "the pool may keep them", timeout_ms, wait_late=True)
         return None if reply is None else reply.removed
 
     def _ask(
-        self,
-        request: LookupRequest | RemoveRequest,
-        what: str,
-        fallback: str,
-        timeout_ms: int,
-        late_ms: int,
+        self, payload: bytes, what: str, fallback: str, timeout_ms: int, wait_late: bool
     ) -> LookupReply | None:
-        """One round trip; None (after a warning saying `fallback`) unless answered
-        within `timeout_ms`, or unless the reply to a timed-out request is still due after
-        `late_ms`."""
+        """One round trip; None (after a warning saying `fallback`) unless answered within
+        `timeout_ms`. While a timed-out request's reply may still come (one lookup timeout
+        after it timed out), a lookup is not sent; a removal (`wait_late`) waits for it."""
         try:
             socket = self._connect()
         except zmq.ZMQError as exc:  # e.g. out of file descriptors: a miss, not a crash
@@ -292,26 +406,33 @@ class LookupClient:
         if socket is None:
             logger.warning("hybridkv lookup server not listening yet: %s %s", what, fallback)
             return None
+        deadline = time.monotonic() + timeout_ms / 1000
         try:
-            if self._unanswered:
-                if not socket.poll(late_ms, zmq.POLLIN):
+            if self._late is not None:
+                given_up = self._late_since + self._timeout_ms / 1000
+                until = min(given_up, deadline) if wait_late else 0.0
+                if self._receive(socket, self._late, until) is None:
+                    if time.monotonic() < given_up:
+                        logger.warning(
+                            "hybridkv lookup server still busy with a timed-out request: %s %s",
+                            what,
+                            fallback,
+                        )
+                        return None
                     logger.warning(
-                        "hybridkv lookup server still busy with a timed-out request: %s %s",
-                        what,
-                        fallback,
+                        "hybridkv lookup: a timed-out reply counted as lost: %s sent", what
                     )
-                    return None
-                socket.recv()  # the late reply: its caller has moved on
-                self._unanswered = False
-            socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
-            socket.send(_encode(request))
-            try:
-                payload = socket.recv()
-            except zmq.Again:
-                self._unanswered = True
-                raise
-            reply = _decode_reply(payload)
-        except zmq.Again:
+                self._late = None  # its caller has moved on
+            self._sent += 1
+            request_id = self._sent.to_bytes(8, "big")
+            socket.send_multipart([request_id, b"", payload])
+            answer = self._receive(socket, request_id, deadline)
+            if answer is None:
+                self._late, self._late_since = request_id, time.monotonic()
+                logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
+                return None
+            reply = _decode_reply(answer)
+        except zmq.Again:  # not even queued (no connection within the timeout)
             logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
             return None
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -328,8 +449,43 @@ class LookupClient:
             return None
         return reply
 
+    @staticmethod
+    def _receive(socket: zmq.Socket[bytes], request_id: bytes, until: float) -> bytes | None:
+        """The reply to `request_id` if it comes by `until` (monotonic), stale ones dropped."""
+        for _ in range(_MAX_STALE_REPLIES):
+            wait_ms = max(0, round((until - time.monotonic()) * 1000))
+            if not socket.poll(wait_ms, zmq.POLLIN):
+                return None
+            frames = socket.recv_multipart()
+            if len(frames) == 3 and frames[0] == request_id and not frames[1]:
+                return frames[2]
+        return None
+
     def close(self) -> None:
         if self._socket is not None:
             self._socket.close(0)
             self._socket = None
         self._context.term()
+
+
+def _lookup_payloads(keys: list[str]) -> list[tuple[int, bytes]]:
+    """The requests of one lookup, each within the server's caps: (keys, payload) each.
+
+    Split by the key cap, then halved while over the size cap (keys of one lookup are of
+    about one length); a single key over the size cap is a miss. Bounded: each halving
+    makes a part smaller, and a part of one key is never split.
+    """
+    size = MAX_REQUEST_KEYS
+    stack = [keys[start : start + size] for start in range(0, len(keys), size)][::-1] or [[]]
+    payloads: list[tuple[int, bytes]] = []
+    while stack:
+        part = stack.pop()
+        payload = _encode(LookupRequest(part))
+        if len(payload) <= MAX_REQUEST_BYTES:
+            payloads.append((len(part), payload))
+        elif len(part) == 1:
+            raise ValueError(f"a lookup key of {len(payload)} B is over {MAX_REQUEST_BYTES} B")
+        else:
+            half = len(part) // 2
+            stack += [part[half:], part[:half]]
+    return payloads
