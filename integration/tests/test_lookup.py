@@ -382,6 +382,8 @@ def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(
                 cache_dtype="auto",
             ),
             model_config=model_config(model="tiny"),
+            load_config=SimpleNamespace(load_format="auto", download_dir=None),
+            speculative_config=None,
             kv_events_config=None,
         )
         connectors.append(HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config))
