@@ -63,6 +63,16 @@ MAX_REQUEST_BYTES = 16 << 20
 _SERVER_QUEUE = 4
 # Stale replies (to timed-out requests) the client drops while waiting for its own.
 _MAX_STALE_REPLIES = 16
+# While the pool counts as down, probes go out this long apart at first, doubling up to
+# the cap: a stalled master is asked about once a cap period, not once a lookup.
+PROBE_BACKOFF_S = 1.0
+PROBE_MAX_BACKOFF_S = 30.0
+# How long the lookup that sends a probe waits for its answer (a healthy loopback round
+# trip takes about a millisecond): that lookup is answered when the pool is back; an
+# unanswered probe is polled, without waiting, by the lookups after it.
+PROBE_WAIT_MS = 50
+# A key of no model: a probe asks the store about it (an empty lookup never reaches it).
+PROBE_KEY = "hybridkv-lookup-probe"
 SECRET_ENV = "HYBRIDKV_LOOKUP_SECRET"
 MIN_SECRET_CHARS = 16
 
@@ -181,6 +191,72 @@ def remove_socket(path: Path) -> None:
     path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # not empty: not ours to remove
         path.parent.rmdir()
+
+
+class Breaker:
+    """Whether the pool counts as down, and when to probe it; the caller passes the clock
+    (sans I/O: its schedule is tested without sockets or sleeps).
+
+    A request that timed out opens it and counts as the first probe, in flight for one
+    more timeout. While open, lookups are misses, not sent; one probe at a time is in
+    flight, its answer counting for one timeout after it went out; each probe goes out
+    no sooner than the backoff after the one before (`first_backoff_s`, doubling up to
+    `max_backoff_s`), nor while the one before may still be answered. A probe answered
+    without error closes it.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        first_backoff_s: float = PROBE_BACKOFF_S,
+        max_backoff_s: float = PROBE_MAX_BACKOFF_S,
+    ) -> None:
+        if not 0 < first_backoff_s <= max_backoff_s:
+            raise ValueError(f"backoff must be 0 < {first_backoff_s} <= {max_backoff_s}")
+        self.timeout_s = timeout_s
+        self.first_backoff_s = first_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.is_open = False
+        self.opened = 0  # times it opened: outages seen
+        self.probes = 0  # probes sent (the requests that opened it not counted)
+        self._until: float | None = None  # the probe in flight counts until then
+        self._next = 0.0  # no probe before then
+        self._backoff = first_backoff_s
+
+    def trip(self, now: float) -> None:
+        """A request got no answer in time: the pool is down, that request the probe."""
+        if not self.is_open:
+            self.is_open = True
+            self.opened += 1
+            self._backoff = self.first_backoff_s
+        self._launch(now)
+
+    def _launch(self, now: float) -> None:
+        self._until = now + self.timeout_s
+        self._next = now + self._backoff
+        self._backoff = min(2 * self._backoff, self.max_backoff_s)
+
+    def in_flight_until(self, now: float) -> float | None:
+        """Until when the probe in flight may be answered; None: none (an expired one is
+        forgotten: its reply, if it ever comes, is dropped)."""
+        if self._until is not None and now >= self._until:
+            self._until = None
+        return self._until
+
+    def probe_due(self, now: float) -> bool:
+        return self.is_open and self.in_flight_until(now) is None and now >= self._next
+
+    def probe_sent(self, now: float) -> None:
+        if not self.probe_due(now):
+            raise RuntimeError("no probe is due")
+        self.probes += 1
+        self._launch(now)
+
+    def answered(self, ok: bool) -> None:
+        """The probe in flight was answered in time: the pool is back unless it failed."""
+        self._until = None
+        if ok:
+            self.is_open = False
 
 
 class LookupServer:
@@ -307,11 +383,15 @@ class LookupClient:
 
     Each request carries an id that its reply echoes (REP returns the envelope), so a late
     reply is told apart and dropped; the socket never closes its connection (a Unix
-    socket's path is gone once answered). For one timeout period after a request timed
-    out, lookups are misses at once, not sent: a server slower than the timeout would
-    otherwise answer a queue that only grows, and every lookup would wait out the timeout
-    on the scheduler's loop. After that period the reply counts as lost (a server killed
-    and restarted on the same port never sends it): the next request goes out.
+    socket's path is gone once answered). A request that times out opens the `Breaker`:
+    the pool counts as down, and lookups are misses at once, neither sent nor waited on
+    (a stalled master would otherwise cost the scheduler's loop a timeout per lookup, and
+    the server a queue that only grows). The timed-out request is the first probe; later
+    ones (a lookup of one key, so that the server asks the store) go out on the breaker's
+    backoff, each sent without blocking and waited on `PROBE_WAIT_MS` at most, then
+    polled by the lookups after it; one answered in time closes the breaker. A reply lost
+    with its server (killed, restarted on the same port) counts as lost one timeout after
+    the time-out: the next probe goes to whatever listens there now.
     """
 
     def __init__(
@@ -320,6 +400,8 @@ class LookupClient:
         timeout_ms: int,
         answered: Callable[[], None] | None = None,
         secret: bytes | None = None,
+        probe_backoff_s: float = PROBE_BACKOFF_S,
+        probe_max_backoff_s: float = PROBE_MAX_BACKOFF_S,
     ) -> None:
         self._find = address if callable(address) else lambda: address
         self._address = self._find()
@@ -329,8 +411,10 @@ class LookupClient:
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
         self._sent = 0  # requests sent: the next one's id
-        self._late: bytes | None = None  # the id of a timed-out request still unanswered
-        self._late_since = 0.0
+        self.breaker = Breaker(timeout_ms / 1000, probe_backoff_s, probe_max_backoff_s)
+        self._probe: bytes | None = None  # the id of the probe in flight (or the last one)
+        self.skipped = 0  # lookups answered miss, not sent, while the pool counted as down
+        self._told = False  # whether this outage's first skipped lookup was warned of
 
     def _connect(self) -> zmq.Socket[bytes] | None:
         if self._socket is not None:
@@ -356,7 +440,8 @@ class LookupClient:
         return socket
 
     def query(self, keys: Sequence[str]) -> list[bool] | None:
-        """Readability of every key, or None when the server cannot answer in time.
+        """Readability of every key, or None when the server cannot answer in time (or the
+        pool counts as down: then at once).
 
         A lookup past the server's caps goes out in several requests, all within the one
         timeout."""
@@ -386,7 +471,8 @@ class LookupClient:
 
     def remove(self) -> int | None:
         """Objects of the server's model removed, or None when the server did not answer
-        within the removal's timeout (waiting for a late reply included)."""
+        within the removal's timeout (waiting for a late reply included). Sent even while
+        the pool counts as down: a cache reset is asked for, and may wait."""
         timeout_ms = max(self._timeout_ms, REMOVAL_TIMEOUT_MS)
         payload = _encode(RemoveRequest())
         reply = self._ask(payload, "removal", "the pool may keep them", timeout_ms, wait_late=True)
@@ -396,8 +482,8 @@ class LookupClient:
         self, payload: bytes, what: str, fallback: str, timeout_ms: int, wait_late: bool
     ) -> LookupReply | None:
         """One round trip; None (after a warning saying `fallback`) unless answered within
-        `timeout_ms`. While a timed-out request's reply may still come (one lookup timeout
-        after it timed out), a lookup is not sent; a removal (`wait_late`) waits for it."""
+        `timeout_ms`. While the pool counts as down a lookup is not sent (only probed); a
+        removal (`wait_late`) waits for the probe in flight, then goes out."""
         try:
             socket = self._connect()
         except zmq.ZMQError as exc:  # e.g. out of file descriptors: a miss, not a crash
@@ -408,34 +494,105 @@ class LookupClient:
             return None
         deadline = time.monotonic() + timeout_ms / 1000
         try:
-            if self._late is not None:
-                given_up = self._late_since + self._timeout_ms / 1000
-                until = min(given_up, deadline) if wait_late else 0.0
-                if self._receive(socket, self._late, until) is None:
-                    if time.monotonic() < given_up:
-                        logger.warning(
-                            "hybridkv lookup server still busy with a timed-out request: %s %s",
-                            what,
-                            fallback,
-                        )
-                        return None
-                    logger.warning(
-                        "hybridkv lookup: a timed-out reply counted as lost: %s sent", what
-                    )
-                self._late = None  # its caller has moved on
+            if self.breaker.is_open:
+                if wait_late:
+                    self._await_probe(socket, deadline)
+                elif self._still_down(socket):
+                    self.skipped += 1
+                    self._tell(f"hybridkv {what}: {fallback}")
+                    return None
             self._sent += 1
             request_id = self._sent.to_bytes(8, "big")
             socket.send_multipart([request_id, b"", payload])
             answer = self._receive(socket, request_id, deadline)
             if answer is None:
-                self._late, self._late_since = request_id, time.monotonic()
+                self._trip(request_id)
                 logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
                 return None
-            reply = _decode_reply(answer)
         except zmq.Again:  # not even queued (no connection within the timeout)
+            self._trip(None)
             logger.warning("hybridkv %s timed out after %d ms: %s", what, timeout_ms, fallback)
             return None
-        except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except zmq.ZMQError as exc:
+            logger.warning("hybridkv %s failed (%s): %s", what, exc, fallback)
+            return None
+        if self.breaker.is_open:  # a removal answered: the server and pool answer again
+            self._recovered()
+        return self._reply(answer, what, fallback)
+
+    def _trip(self, request_id: bytes | None) -> None:
+        if not self.breaker.is_open:
+            self._told = False
+        self.breaker.trip(time.monotonic())
+        self._probe = request_id
+
+    def _still_down(self, socket: zmq.Socket[bytes]) -> bool:
+        """Whether the pool still counts as down: the probe in flight unanswered (polled,
+        not waited on), or a new one sent unanswered within `PROBE_WAIT_MS`."""
+        now = time.monotonic()
+        if self._probe is not None and self.breaker.in_flight_until(now) is not None:
+            answer = self._receive(socket, self._probe, 0.0)
+            if answer is not None:
+                self._probed(answer)
+        if self.breaker.probe_due(now):
+            if self._probe is not None:
+                logger.warning(
+                    "hybridkv lookup: a timed-out reply counted as lost: probing the pool"
+                )
+            self._sent += 1
+            self._probe = self._sent.to_bytes(8, "big")
+            self.breaker.probe_sent(now)
+            wait_s = min(PROBE_WAIT_MS, self._timeout_ms) / 1000
+            try:
+                probe = _encode(LookupRequest([PROBE_KEY]))
+                socket.send_multipart([self._probe, b"", probe], flags=zmq.NOBLOCK)
+            except zmq.Again:  # the server's queue is full: this probe failed
+                self.breaker.answered(ok=False)
+                return True
+            answer = self._receive(socket, self._probe, time.monotonic() + wait_s)
+            if answer is not None:
+                self._probed(answer)
+        return self.breaker.is_open
+
+    def _await_probe(self, socket: zmq.Socket[bytes], deadline: float) -> None:
+        """Wait for the probe in flight while it counts, within `deadline` (a removal)."""
+        until = self.breaker.in_flight_until(time.monotonic())
+        if self._probe is not None and until is not None:
+            answer = self._receive(socket, self._probe, min(until, deadline))
+            if answer is not None:
+                self._probed(answer)
+                return
+        if self.breaker.is_open:
+            logger.warning("hybridkv lookup: a timed-out reply counted as lost: removal sent")
+
+    def _probed(self, answer: bytes) -> None:
+        """The probe in flight was answered in time: the pool is back unless it failed."""
+        if self._reply(answer, "probe", "the pool still counts as down") is None:
+            self.breaker.answered(ok=False)
+        else:
+            self._recovered()
+
+    def _recovered(self) -> None:
+        self.breaker.answered(ok=True)
+        self._probe = None
+        logger.warning("hybridkv lookup: the pool answers again: lookups sent")
+
+    def _tell(self, what: str) -> None:
+        """Warn of the first lookup skipped in an outage; the rest only at debug level."""
+        level = logging.DEBUG if self._told else logging.WARNING
+        self._told = True
+        logger.log(
+            level,
+            "hybridkv pool counted as down (still busy with a timed-out request, or no "
+            "answer to a probe yet): %s",
+            what,
+        )
+
+    def _reply(self, answer: bytes, what: str, fallback: str) -> LookupReply | None:
+        """The decoded reply, or None (warned) when malformed or an error."""
+        try:
+            reply = _decode_reply(answer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("hybridkv %s failed (%s): %s", what, exc, fallback)
             return None
         if self._answered is not None:

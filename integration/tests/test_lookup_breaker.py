@@ -1,0 +1,206 @@
+"""The lookup client's circuit breaker: its schedule (no sockets, a clock passed in), and
+the scheduler's lookups against a real master that stalls (SIGSTOP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.integration.lookup import Breaker, LookupClient, LookupServer
+from hybridkv.transport import Status
+from hybridkv.transport.master import LOOPBACK, MasterProcess
+from hybridkv.transport.mooncake_store import MooncakeStore
+from hybridkv.transport.testing import mooncake_config, require_mooncake
+
+
+def test_a_stalled_pool_is_probed_on_a_doubling_backoff_never_two_probes_at_once() -> None:
+    breaker = Breaker(timeout_s=5.0, first_backoff_s=1.0, max_backoff_s=30.0)
+    assert not breaker.is_open and not breaker.probe_due(0.0)
+    with pytest.raises(RuntimeError, match="no probe is due"):
+        breaker.probe_sent(0.0)
+    breaker.trip(100.0)
+    sent = []
+    for tick in range(1, 400):
+        now = 100.0 + tick / 2
+        assert breaker.is_open
+        if breaker.probe_due(now):
+            breaker.probe_sent(now)
+            sent.append(now - 100.0)
+    # The timed-out request counts for one timeout (5 s), each probe for one more; the
+    # gaps double from 1 s (hidden by the timeout at first) up to the 30 s cap.
+    assert sent == [5.0, 10.0, 15.0, 23.0, 39.0, 69.0, 99.0, 129.0, 159.0, 189.0]
+    assert (breaker.opened, breaker.probes) == (1, 10)
+
+
+def test_an_answered_probe_closes_and_a_failed_one_waits_for_the_next() -> None:
+    breaker = Breaker(timeout_s=0.5)
+    breaker.trip(0.0)
+    assert breaker.in_flight_until(0.2) == 0.5
+    breaker.answered(ok=False)  # answered fast, with an error: still down
+    assert breaker.is_open and breaker.in_flight_until(0.2) is None
+    assert not breaker.probe_due(0.9)  # the backoff still runs
+    assert breaker.probe_due(1.0)
+    breaker.probe_sent(1.0)
+    breaker.answered(ok=True)
+    assert not breaker.is_open and not breaker.probe_due(100.0)
+    breaker.trip(200.0)  # a new outage starts its backoff afresh
+    assert breaker.opened == 2
+    assert not breaker.probe_due(200.9) and not breaker.probe_due(200.4)
+    assert breaker.probe_due(201.0)
+
+
+@dataclass
+class Oracle:
+    """The breaker's rules, recomputed from the history of the current outage."""
+
+    timeout_s: float
+    first_s: float
+    cap_s: float
+    open: bool = False
+    launches: list[float] = field(default_factory=list)  # since the outage began
+    answered: bool = False
+
+    def trip(self, now: float) -> None:
+        if not self.open:
+            self.open, self.launches = True, []
+        self.launches.append(now)
+        self.answered = False
+
+    def in_flight(self, now: float) -> bool:
+        return bool(self.launches) and not self.answered and now < self.launches[-1] + (
+            self.timeout_s
+        )
+
+    def due(self, now: float) -> bool:
+        if not self.open or self.in_flight(now):
+            return False
+        gap = min(self.first_s * 2 ** (len(self.launches) - 1), self.cap_s)
+        return now >= self.launches[-1] + gap
+
+    def answer(self, ok: bool) -> None:
+        self.answered = True
+        self.open = self.open and not ok
+
+
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("wait"), st.floats(0.0, 20.0)),
+        st.tuples(st.just("trip"), st.just(0.0)),
+        st.tuples(st.just("probe"), st.just(0.0)),
+        st.tuples(st.just("ok"), st.just(0.0)),
+        st.tuples(st.just("failed"), st.just(0.0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=_STEPS,
+    timeout_s=st.floats(0.01, 10.0),
+    first_s=st.floats(0.01, 5.0),
+    cap_factor=st.floats(1.0, 20.0),
+)
+def test_the_breaker_follows_its_rules(
+    steps: list[tuple[str, float]], timeout_s: float, first_s: float, cap_factor: float
+) -> None:
+    breaker = Breaker(timeout_s, first_s, first_s * cap_factor)
+    oracle = Oracle(timeout_s, first_s, first_s * cap_factor)
+    now = 0.0
+    for action, value in steps:
+        if action == "wait":
+            now += value
+        elif action == "trip":  # a lookup (closed) or a removal (open too) timed out
+            breaker.trip(now)
+            oracle.trip(now)
+        elif action == "probe" and oracle.due(now):
+            breaker.probe_sent(now)
+            oracle.trip(now)
+        elif action in ("ok", "failed") and oracle.in_flight(now):
+            breaker.answered(ok=action == "ok")
+            oracle.answer(action == "ok")
+        assert breaker.is_open == oracle.open
+        assert (breaker.in_flight_until(now) is not None) == oracle.in_flight(now)
+        assert breaker.probe_due(now) == oracle.due(now)
+        if oracle.in_flight(now):  # at most one probe at a time
+            assert not breaker.probe_due(now)
+
+
+TIMEOUT_MS = 1000
+STALL_S = 40.0  # past Mooncake's RPC timeout (~30 s): the store call's late error comes
+EVERY_S = 0.1
+PROBE_CAP_S = 8.0  # the test's backoff cap, so that recovery is seen within seconds
+PROBE_WAIT_S = 0.05  # lookup.PROBE_WAIT_MS: what each probe may cost the lookup sending it
+
+
+def _lookups_for(
+    client: LookupClient, keys: list[str], seconds: float
+) -> tuple[float, list[tuple[float, list[bool] | None]]]:
+    """A lookup every `EVERY_S` for `seconds`, as a scheduler's loop: (seconds spent inside
+    lookups, each lookup's (start, answer))."""
+    blocked = 0.0
+    answers: list[tuple[float, list[bool] | None]] = []
+    started = time.monotonic()
+    while (now := time.monotonic()) < started + seconds:
+        answer = client.query(keys)
+        blocked += time.monotonic() - now
+        answers.append((now - started, answer))
+        time.sleep(EVERY_S)
+    return blocked, answers
+
+
+def test_a_stalled_master_costs_the_scheduler_one_lookup_timeout_not_one_per_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 45: with the master SIGSTOPped, each lookup timed out or, once a timed-out
+    reply counted as lost, went out again and waited the timeout anew: the scheduler
+    froze for a timeout every two. Now the first one times out, the pool counts as down,
+    and lookups are misses at once while probes (one at a time, on a backoff) wait for it."""
+    require_mooncake()
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", LOOPBACK)
+    monkeypatch.setenv("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    with MasterProcess.start(log_path=tmp_path / "master.log") as master:
+        store = MooncakeStore.connect(mooncake_config(master.address))
+        server = LookupServer(store.batch_is_readable, secret=b"")
+        client = LookupClient(
+            server.address, TIMEOUT_MS, secret=b"", probe_max_backoff_s=PROBE_CAP_S
+        )
+        try:
+            data = np.arange(4096, dtype=np.uint8)
+            stored = [f"breaker-{uuid.uuid4().hex[:8]}-{i}" for i in range(2)]
+            pointers, sizes = [[data.ctypes.data]] * 2, [[data.nbytes]] * 2
+            assert store.batch_put_whole(stored, pointers, sizes) == [Status.OK] * 2
+            keys = [*stored, "breaker-absent"]
+            assert client.query(keys) == [True, True, False]
+            os.kill(master.pid, signal.SIGSTOP)
+            try:
+                blocked, stalled = _lookups_for(client, keys, STALL_S)
+            finally:
+                os.kill(master.pid, signal.SIGCONT)
+            _, resumed = _lookups_for(client, keys, PROBE_CAP_S + 2 * TIMEOUT_MS / 1000 + 3)
+        finally:
+            client.close()
+            server.close()
+            store.close()
+    # SIGSTOP reaches every thread of the master within a moment: answers until then.
+    first_miss = next(at for at, answer in stalled if answer is None)
+    assert first_miss < 1.0
+    assert all(answer is None for at, answer in stalled if at >= first_miss)
+    probes = client.breaker.probes
+    print(f"blocked {blocked:.2f} s in {len(stalled)} lookups, {probes} probes")
+    assert blocked < TIMEOUT_MS / 1000 + probes * PROBE_WAIT_S + 0.5
+    assert client.breaker.opened == 1
+    misses = sum(answer is None for _, answer in stalled)
+    assert client.skipped == misses - 1  # all but the first: not sent, not waited on
+    found = [at for at, answer in resumed if answer == [True, True, False]]
+    assert found, "lookups did not find the stored keys after the master resumed"
+    assert all(answer == [True, True, False] for at, answer in resumed if at >= found[0])
