@@ -3,19 +3,23 @@ the scheduler's lookups against a real master that stalls (SIGSTOP)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.integration.lookup import Breaker, LookupClient, LookupServer
+from hybridkv.integration.lookup import Breaker, LookupClient, LookupReply, LookupServer
 from hybridkv.transport import Status
 from hybridkv.transport.master import LOOPBACK, MasterProcess
 from hybridkv.transport.mooncake_store import MooncakeStore
@@ -208,3 +212,69 @@ def test_a_stalled_master_costs_the_scheduler_one_lookup_timeout_not_one_per_per
     assert found, "lookups did not find the stored keys after the master resumed"
     print(f"blocked {blocked:.2f} s, {len(stalled)} lookups, {probes} probes, {found[0]:.1f} s")
     assert all(answer == [True, True, False] for at, answer in resumed if at >= found[0])
+
+
+def test_a_silent_server_gets_one_probe_at_a_time_and_lookups_never_wait_again() -> None:
+    """A server that takes requests and never answers (a worker stuck in a store call):
+    after the first time-out, lookups return at once; the server sees one probe at a
+    time, on the backoff; once it answers a probe, lookups go out again."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)  # counts what arrives, answers when told
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port(f"tcp://{LOOPBACK}")
+    client = LookupClient(
+        f"tcp://{LOOPBACK}:{port}", 200, secret=b"", probe_backoff_s=0.1, probe_max_backoff_s=0.4
+    )
+    try:
+        assert client.query(["yes"]) is None  # timed out: the one wait of this outage
+        arrivals: list[tuple[float, list[bytes]]] = []
+        blocked, started = 0.0, time.monotonic()
+        while time.monotonic() < started + 2.0:
+            blocked += _looked_up_in_vain(client, server, arrivals, started)
+        probes = client.breaker.probes
+        assert blocked < probes * PROBE_WAIT_S + 0.2
+        assert len(arrivals) == 1 + probes  # the timed-out lookup, then the probes
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(arrivals[1:])]
+        assert all(gap >= 0.2 - 0.05 for gap in gaps)  # never one before the last expired
+        assert 3 <= probes <= 2.0 / 0.2 + 1
+        while len(arrivals) == 1 + probes:  # the next probe (bounded: the test's timeout)
+            _looked_up_in_vain(client, server, arrivals, started)
+        peer, request_id, empty, _ = arrivals[-1][1]  # answered in time, by the server
+        server.send_multipart([peer, request_id, empty, lookup_reply([False])])
+        time.sleep(0.05)
+        answering = threading.Thread(target=_answer_next, args=(server, [True]))
+        answering.start()
+        assert client.query(["yes"]) == [True]  # the probe's answer seen: sent again
+        answering.join()
+        assert not client.breaker.is_open
+    finally:
+        client.close()
+        server.close(0)
+        context.term()
+
+
+def _looked_up_in_vain(
+    client: LookupClient,
+    server: zmq.Socket[bytes],
+    arrivals: list[tuple[float, list[bytes]]],
+    started: float,
+) -> float:
+    """One lookup, a miss (how long it took), and what reached the server meanwhile."""
+    before = time.monotonic()
+    assert client.query(["yes"]) is None
+    took = time.monotonic() - before
+    while server.poll(0, zmq.POLLIN):
+        arrivals.append((time.monotonic() - started, server.recv_multipart()))
+    time.sleep(0.02)
+    return took
+
+
+def lookup_reply(readable: list[bool]) -> bytes:
+    return msgspec.msgpack.encode(LookupReply(readable=readable))
+
+
+def _answer_next(server: zmq.Socket[bytes], readable: list[bool]) -> None:
+    """Answer the next request that arrives within 2 s."""
+    if server.poll(2000, zmq.POLLIN):
+        peer, request_id, empty, _ = server.recv_multipart()
+        server.send_multipart([peer, request_id, empty, lookup_reply(readable)])

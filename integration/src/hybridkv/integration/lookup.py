@@ -6,7 +6,10 @@ below, several do); a cache reset asks for the model's objects to be removed the
 (which objects, the server alone decides: its own model's, so that whoever reaches its
 loopback port cannot name others'). The server answers every request, a malformed one with
 an error, and survives anything a request does; the client gives up after a timeout and
-reports "unknown", which the scheduler treats as a miss (recompute), never as a hang.
+reports "unknown", which the scheduler treats as a miss (recompute), never as a hang. After
+a timeout the pool counts as down (`Breaker`): lookups are misses at once, without being
+sent, until a probe (sent without blocking, on a backoff) is answered: a stalled master
+costs the scheduler's loop one timeout per outage, not one per lookup.
 
 Unless a fixed loopback port is configured, worker rank 0 listens on a Unix socket in a
 directory only its user can enter, named by the engine: no other local user can ask it
