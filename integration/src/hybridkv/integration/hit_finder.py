@@ -45,8 +45,8 @@ class HitFinder:
         objects failed to load, absent while held. `tail_unit`: vLLM's hash unit where its
         prefix cache hits inside blocks (prompt tails are looked up at its multiples); 0:
         whole blocks only."""
-        self.keys = keys
-        self.query = query
+        self._keys = keys
+        self.query = query  # (a test swaps it for a pool that stops answering)
         self.quarantine = quarantine
         self._coordinator = coordinator
         self._plan = keys.plan
@@ -171,7 +171,7 @@ class HitFinder:
         learnt in ONE query (None if it failed): usable only if EVERY storing head's is."""
         keys: list[str] = []
         for group, hashes in batches:
-            keys.extend(self.keys.keys(group, hashes, self._plan.groups[group].heads.heads))
+            keys.extend(self._keys.keys(group, hashes, self._plan.groups[group].heads.heads))
         answers = self.query(keys) if keys else []
         if answers is None:
             return None
@@ -180,7 +180,7 @@ class HitFinder:
         readable: list[list[bool]] = []
         position = 0
         for group, hashes in batches:
-            heads = self._plan.groups[group].heads.storing * self.keys.stages
+            heads = self._plan.groups[group].heads.storing * self._keys.stages
             stop = position + heads * len(hashes)
             readable.append([all(answers[at : at + heads]) for at in range(position, stop, heads)])
             position = stop
