@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from conftest import attention, groups, mamba, require
 
+from hybridkv.integration.cache_layouts import build_layouts, tensor_entries
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
@@ -27,7 +28,7 @@ from hybridkv.integration.transfer_strategy import (
     TransferStrategy,
     WholeBlocks,
 )
-from hybridkv.integration.worker import WorkerSide, build_layouts, tensor_entries
+from hybridkv.integration.worker import WorkerSide
 from hybridkv.transport import (
     BlockTransfer,
     CpuEvent,

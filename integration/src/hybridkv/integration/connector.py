@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybridkv.integration.bounded_wait import finished_within
+from hybridkv.integration.cache_layouts import build_layouts
 from hybridkv.integration.checkpoints import drops_eagle_block, prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
 from hybridkv.integration.keying import KeySpace
@@ -54,7 +55,7 @@ from hybridkv.integration.vllm_facts import (
     prompt_tail_unit,
     refuse_layerwise_micro_batches,
 )
-from hybridkv.integration.worker import WorkerSide, build_layouts
+from hybridkv.integration.worker import WorkerSide
 from hybridkv.integration.worker_start import WorkerRanks, new_worker_side
 from hybridkv.keys import model_name
 
