@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 from conftest import attention, groups, request, require, scheduler_output
 
+from hybridkv.integration.cache_layouts import build_layouts
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.transfer_strategy import WholeBlocks
-from hybridkv.integration.worker import WorkerSide, build_layouts
+from hybridkv.integration.worker import WorkerSide
 from hybridkv.transport import CpuEvent, MemoryStore, TransferEngine
 
 torch = require("torch")

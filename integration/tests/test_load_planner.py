@@ -19,10 +19,10 @@ from scheduler_rig import (
 )
 
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.connector import background_loads_reason
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.scheduler import SchedulerSide
+from hybridkv.integration.vllm_facts import background_loads_reason
 
 
 def test_hits_load_in_the_background_when_vllm_requires_it(vllm_specs: Any) -> None:

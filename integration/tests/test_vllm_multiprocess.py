@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from conftest import require
-from tinymodels import build, complete, new_llm
+from tinymodels import build_bare
+from vllm_rig import complete, new_llm
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -48,7 +49,7 @@ def test_scheduler_looks_up_a_worker_process_over_real_mooncake(
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build("llama", tmp_path)
+    model = build_bare("llama", tmp_path)
     llm = new_llm(model, {"namespace": "multiprocess"}, distributed_executor_backend="mp")
     try:
         cold = complete(llm)
@@ -116,7 +117,7 @@ def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
     monkeypatch.setenv("TMPDIR", str(temp))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build("llama", tmp_path)
+    model = build_bare("llama", tmp_path)
     before = _masters_started_here()
     llm = new_llm(model, {"namespace": "embedded"}, distributed_executor_backend="mp")
     try:
