@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import heapq
 import math
-import sys
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
-from typing import Protocol, TypeAlias
 
+from hybridkv.coordinator._columns import Column, Descending, Readable, columns_of
 from hybridkv.coordinator._kinds import GroupKind
-from hybridkv.coordinator._readable import Masks, is_bool, require_bools
-
-#: Per group, block-indexed readability (indices past the end are unreadable), or
-#: `readable(group, block) -> bool`.
-Readable: TypeAlias = Sequence[Sequence[bool]] | Callable[[int, int], bool]
+from hybridkv.coordinator._readable import Masks
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,71 +24,6 @@ class Hit:
 
     tokens: int
     load_masks: Masks
-
-
-class _Column(Protocol):
-    def first_miss(self, first: int, stop: int) -> int | None: ...
-
-
-class _ListColumn:
-    """Readability already in hand: `list.index` scans in C, fast enough for 131k tokens."""
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values: list[bool]) -> None:
-        self._values = values
-
-    def first_miss(self, first: int, stop: int) -> int | None:
-        try:
-            return self._values.index(False, first, stop)
-        except ValueError:
-            return None
-
-
-class _CallableColumn:
-    """Readability asked block by block, each block at most once, only where it matters."""
-
-    __slots__ = ("_answers", "_group", "_readable")
-
-    def __init__(self, readable: Callable[[int, int], bool], group: int) -> None:
-        self._readable = readable
-        self._group = group
-        self._answers: dict[int, bool] = {}
-
-    def first_miss(self, first: int, stop: int) -> int | None:
-        for block in range(first, stop):
-            answer = self._answers.get(block)
-            if answer is None:
-                answer = self._readable(self._group, block)
-                if not is_bool(answer):
-                    raise ValueError(
-                        f"readable({self._group}, {block}) must return True or False, "
-                        f"got {answer!r}"
-                    )
-                answer = self._answers[block] = bool(answer)
-            if not answer:
-                return block
-        return None
-
-
-class _Descending:
-    """A column asked about block ranges whose ends never grow (tail boundaries, largest
-    first): blocks already found readable below the current end are not scanned again, so
-    a search scans each block about once, not once per boundary."""
-
-    __slots__ = ("_column", "_known")
-
-    def __init__(self, column: _Column) -> None:
-        self._column = column
-        self._known = sys.maxsize  # blocks [_known, the last end) are readable
-
-    def first_miss(self, first: int, stop: int) -> int | None:
-        if first >= stop:
-            return None
-        miss = self._column.first_miss(first, min(stop, self._known))
-        if miss is None:
-            self._known = min(self._known, first)
-        return miss
 
 
 def _require_count(name: str, value: object) -> int:
@@ -361,7 +289,7 @@ class Coordinator:
             raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
         if not self._tail_unit(unit):
             return []
-        columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
+        columns = [Descending(column) for column in self._columns(max_tokens, readable)]
         boundaries: list[int] = []
         tokens = max_tokens // unit * unit
         while tokens > hit and len(boundaries) < limit:
@@ -376,7 +304,7 @@ class Coordinator:
                 tokens = below
         return boundaries
 
-    def _below_tail_miss(self, tokens: int, columns: Sequence[_Column], unit: int) -> int | None:
+    def _below_tail_miss(self, tokens: int, columns: Sequence[Column], unit: int) -> int | None:
         """None if a tail at `tokens` has every whole block it needs readable, else the
         largest multiple of `unit` below it that could: needs only slide left as the
         boundary shrinks, so every boundary whose partial block lies past a miss needs it."""
@@ -416,7 +344,7 @@ class Coordinator:
         kind = self._groups[group]
         return kind.first_needed(tokens), tokens // kind.block_size + self._eagle[group]
 
-    def _largest_readable(self, group: int, tokens: int, column: _Column) -> int:
+    def _largest_readable(self, group: int, tokens: int, column: Column) -> int:
         """Largest aligned boundary <= `tokens` at which this group alone can hit."""
         block_size = self._groups[group].block_size
         extra = self._eagle[group]
@@ -428,30 +356,12 @@ class Coordinator:
             tokens = max(0, (miss - extra) * block_size // self._alignment * self._alignment)
         return 0
 
-    def _columns(self, top: int, readable: Readable) -> list[_Column]:
-        if callable(readable):
-            return [_CallableColumn(readable, group) for group in range(len(self._groups))]
-        if not isinstance(readable, Sequence) or isinstance(readable, (str, bytes, bytearray)):
-            raise ValueError(
-                "readable must be a callable or one sequence of bools per group, "
-                f"got a {type(readable).__name__}"
-            )
-        if len(readable) != len(self._groups):
-            raise ValueError(f"readable has {len(readable)} entries for {len(self._groups)} groups")
-        columns: list[_Column] = []
-        for group, (kind, given) in enumerate(zip(self._groups, readable, strict=True)):
-            # Unordered (a set of indices, a mapping) would be read by iteration order.
-            unordered = isinstance(given, (str, bytes, bytearray, AbstractSet, Mapping))
-            if unordered or not isinstance(given, Iterable):
-                raise ValueError(
-                    f"readable[{group}] must be a sequence of bools, got a {type(given).__name__}"
-                )
-            length = top // kind.block_size + self._eagle[group] if top else 0
-            values = list(islice(given, length))
-            require_bools(f"readable[{group}]", values)
-            values.extend([False] * (length - len(values)))
-            columns.append(_ListColumn(values))
-        return columns
+    def _columns(self, top: int, readable: Readable) -> list[Column]:
+        reach = [
+            top // kind.block_size + extra if top else 0
+            for kind, extra in zip(self._groups, self._eagle, strict=True)
+        ]
+        return columns_of(readable, reach)
 
     def _boundaries(
         self, group: int, top: int, replays: Iterable[int], unit: int, tail_stop: int
