@@ -104,9 +104,13 @@ def _emit(args: argparse.Namespace, value: Any, text: str) -> None:
 def _owner_cells(owner: pool.Owner) -> list[object]:
     if owner.format == "foreign":
         return ["(not a hybridkv key)", "", "", "", ""]
-    namespace = "(in layout)" if owner.namespace is None else owner.namespace or "(default)"
+    if owner.namespace is not None:
+        namespace = owner.namespace or "(default)"
+    else:  # a hybrid key's is folded into its layout; a summary's spans several
+        namespace = "(in layout)" if owner.layout is not None else ""
     pp = "" if owner.pp_rank is None else owner.pp_rank
-    return [owner.model, namespace, owner.layout or "", pp, owner.group]
+    group = "" if owner.group is None else owner.group
+    return [owner.model, namespace, owner.layout or "", pp, group]
 
 
 _OWNER_HEADER = ["MODEL", "NAMESPACE", "LAYOUT", "PP", "GROUP"]
@@ -215,7 +219,7 @@ def _coarser(owner: pool.Owner, by: str) -> pool.Owner:
     if by == "group" or owner.format == "foreign":
         return owner
     if by == "namespace":
-        return pool.Owner(owner.format, owner.model, owner.namespace, owner.layout)
+        return pool.Owner(owner.format, owner.model, owner.namespace, owner.layout, owner.pp_rank)
     return pool.Owner(owner.format, owner.model)
 
 
@@ -228,7 +232,9 @@ def _pool_du(args: argparse.Namespace) -> int:
         owner = _coarser(row.owner, args.by)
         objects, size = merged.get(owner, (0, 0))
         merged[owner] = (objects + row.objects, size + row.bytes)
-    coarse = [pool.Usage(owner, *merged[owner]) for owner in sorted(merged)]
+    coarse = [
+        pool.Usage(owner, *merged[owner]) for owner in sorted(merged, key=pool.Owner.sort_key)
+    ]
     _emit(args, coarse, _usage_table(coarse))
     return 0
 

@@ -20,12 +20,13 @@ Format = Literal["single-group", "hybrid", "foreign"]
 NAMESPACE_MARK = "~"
 
 
-class Owner(msgspec.Struct, frozen=True, order=True):
+class Owner(msgspec.Struct, frozen=True):
     """What a key belongs to: one KV cache group of one model's deployment.
 
     `namespace` is None where the key does not say (hybrid keys; foreign keys); `layout`
     and `pp_rank` exist for hybrid keys only. Foreign keys (not hybridkv's, e.g. another
-    connector's) have model "" and are never selected for eviction.
+    connector's) have model "" and are never selected for eviction. A summary over
+    several groups or namespaces leaves those fields None.
     """
 
     format: Format
@@ -33,7 +34,18 @@ class Owner(msgspec.Struct, frozen=True, order=True):
     namespace: str | None = None
     layout: str | None = None
     pp_rank: int | None = None
-    group: int = 0
+    group: int | None = None
+
+    def sort_key(self) -> tuple[str, str, str, str, int, int]:
+        """Owners in a stable order (None first), whatever fields they leave out."""
+        return (
+            self.format,
+            self.model,
+            self.namespace or "",
+            self.layout or "",
+            -1 if self.pp_rank is None else self.pp_rank,
+            -1 if self.group is None else self.group,
+        )
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -53,7 +65,7 @@ def owner_of(key: str) -> Owner:
     if isinstance(parsed, HybridKey):
         return Owner("hybrid", parsed.model, None, parsed.layout, parsed.pp_rank, parsed.group)
     model, mark, namespace = parsed.model.partition(NAMESPACE_MARK)
-    return Owner("single-group", model, namespace if mark else "")
+    return Owner("single-group", model, namespace if mark else "", group=0)
 
 
 def usage(keys: Iterable[str], sizes: Mapping[str, int]) -> list[Usage]:
@@ -64,7 +76,9 @@ def usage(keys: Iterable[str], sizes: Mapping[str, int]) -> list[Usage]:
         owner = owner_of(key)
         objects[owner] = objects.get(owner, 0) + 1
         total[owner] = total.get(owner, 0) + sizes.get(key, 0)
-    return [Usage(owner, objects[owner], total[owner]) for owner in sorted(objects)]
+    return [
+        Usage(owner, objects[owner], total[owner]) for owner in sorted(objects, key=Owner.sort_key)
+    ]
 
 
 class Selector(msgspec.Struct, frozen=True):

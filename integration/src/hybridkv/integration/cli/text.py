@@ -18,11 +18,12 @@ def human_bytes(count: int) -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to their widest cell; numbers right-aligned."""
+    """Columns padded to their widest cell; columns of numbers (or blanks) right-aligned."""
     cells = [[str(cell) for cell in row] for row in [header, *rows]]
     widths = [max(len(row[column]) for row in cells) for column in range(len(header))]
     numeric = [
-        all(isinstance(row[column], int) for row in rows) if rows else False
+        any(isinstance(row[column], int) for row in rows)
+        and all(isinstance(row[column], int) or row[column] == "" for row in rows)
         for column in range(len(header))
     ]
     return "\n".join(
