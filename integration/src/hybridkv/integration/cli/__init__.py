@@ -32,6 +32,7 @@ from hybridkv.keys.__main__ import explain
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import Status, StoreError
 from hybridkv.transport.master import is_listening, split_address
+from hybridkv.transport.mooncake_store import MooncakeStore
 
 __all__ = ["main"]
 
@@ -248,9 +249,8 @@ class Eviction(msgspec.Struct, frozen=True):
     hybrid_not_selected: int
 
 
-def _connect(args: argparse.Namespace) -> Any:
-    from hybridkv.transport.mooncake_store import MooncakeStore
-
+def _connect(args: argparse.Namespace) -> MooncakeStore:
+    """A client that lends and stages nothing (Mooncake itself is imported only here)."""
     config = _mooncake_config(args)
     if config is None:
         _fail(
