@@ -64,18 +64,22 @@ def pool(
 
 @pytest.fixture(scope="module")
 def put(shared_mooncake_store: MooncakeStore) -> Iterator[Any]:
-    """Stores objects of given sizes under given keys (bytes from one registered buffer)."""
+    """Stores objects of given sizes under given keys (bytes from one registered buffer);
+    removes what is left of them afterwards, so later modules find the session pool as it was."""
     buffer = np.arange(1 << 16, dtype=np.uint8)
     shared_mooncake_store.register_buffer(buffer.ctypes.data, buffer.size)
+    stored: list[str] = []
 
     def put(objects: dict[str, int]) -> None:
         keys = list(objects)
+        stored.extend(keys)
         statuses = shared_mooncake_store.batch_put_whole(
             keys, [[buffer.ctypes.data]] * len(keys), [[objects[key]] for key in keys]
         )
         assert statuses == [Status.OK] * len(keys)
 
     yield put
+    shared_mooncake_store.batch_remove(stored, force=True)
     shared_mooncake_store.unregister_buffer(buffer.ctypes.data)
 
 
