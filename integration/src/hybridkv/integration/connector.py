@@ -7,7 +7,6 @@ digest) from `kv_cache_config`, so they agree on every key without talking about
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -29,15 +28,8 @@ from hybridkv.integration.config import ConnectorConfig, parse_extra_config
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.kv_events import PoolAnnouncer, StoredEvents
 from hybridkv.integration.logs import follow_vllm_logging
-from hybridkv.integration.lookup import (
-    LOOPBACK,
-    LookupClient,
-    LookupServer,
-    claim_socket,
-    is_private,
-    remove_socket,
-    socket_path,
-)
+from hybridkv.integration.lookup import LookupClient, LookupServer
+from hybridkv.integration.lookup_channel import LookupChannel
 from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
@@ -99,11 +91,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # A fixed port past 65535, or a socket path too long, is refused here, not at the
         # first lookup.
         port = self.config.lookup_port(data_parallel_index(vllm_config))
-        self._instance = instance_id(vllm_config)
-        # Worker rank 0's lookup server: the configured loopback port, else a Unix socket
-        # (`_socket_path`, None with a port) whose path the scheduler takes once answered.
-        self._socket_path = None if port else socket_path(self._instance)
-        self._lookup_endpoint = f"tcp://{LOOPBACK}:{port}" if port else f"ipc://{self._socket_path}"
+        self._channel = LookupChannel(instance_id(vllm_config), port)
         if self.config.use_layerwise:
             refuse_layerwise_micro_batches(vllm_config)
         weights = weights_identity(vllm_config, self.config.weights_version)
@@ -133,7 +121,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 storing = {g.vllm_group_id: g.heads.storing * stages for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(
-                self._lookup_address, self.config.lookup_timeout_ms, self._take_socket
+                self._channel.address, self.config.lookup_timeout_ms, self._channel.answered
             )
             self._scheduler = SchedulerSide(
                 self.keys,
@@ -148,21 +136,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 local_hit_unit=hash_block_size(vllm_config, kv_cache_config),
                 steps_ahead=vllm_config.max_concurrent_batches - 1,
             )
-
-    def _lookup_address(self) -> str | None:
-        # Not vLLM's connector handshake: under a MultiConnector only the first child's
-        # handshake metadata reaches the scheduler, so ours could shadow (or be shadowed
-        # by) NIXL's. None until worker rank 0 listens.
-        path = self._socket_path
-        if path is None or (is_private(path.parent) and path.exists()):
-            return self._lookup_endpoint
-        return None
-
-    def _take_socket(self) -> None:
-        """Connected: no one else may connect, and no file outlives the instance (its
-        workers may be killed before they could remove it)."""
-        if self._socket_path is not None:
-            remove_socket(self._socket_path)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -286,11 +259,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pool = pool
         self._worker = new_worker_side(self._vllm_config, self.keys, pool, layouts, mode, ranks)
         if ranks.serves_lookups:
-            if self._socket_path is not None:
-                claim_socket(self._socket_path, self._instance)
-                atexit.register(remove_socket, self._socket_path)  # if never shut down
+            self._channel.claim()
             self._server = LookupServer(
-                self._worker.engine.batch_is_readable, self._lookup_endpoint, self._remove_from_pool
+                self._worker.engine.batch_is_readable,
+                self._channel.endpoint,
+                self._remove_from_pool,
             )
 
     def _remove_from_pool(self) -> int:
@@ -416,8 +389,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             server, self._server = self._server, None
             if server is not None:
                 idle &= server.close()
-                if self._socket_path is not None:
-                    remove_socket(self._socket_path)
+                self._channel.release()
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.close(store_idle=idle)
