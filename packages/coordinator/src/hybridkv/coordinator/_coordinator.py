@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from hybridkv.coordinator._columns import Column, Descending, Readable, columns_of
 from hybridkv.coordinator._kinds import GroupKind
 from hybridkv.coordinator._readable import Masks
+from hybridkv.coordinator._tails import (
+    ends_inside_every_block,
+    last_tail,
+    search_tails,
+    tails_in_group,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +213,11 @@ class Coordinator:
         aligned = range(self._alignment, top + 1, self._alignment)
         return tuple(
             self._reach_mask(
-                group, heapq.merge(aligned, self._tails(group, unit, max_tokens)), known
+                group,
+                heapq.merge(
+                    aligned, tails_in_group(self._groups, self._alignment, group, unit, max_tokens)
+                ),
+                known,
             )
             for group in range(len(self._groups))
         )
@@ -236,8 +246,8 @@ class Coordinator:
             top,
             self.max_boundary(max(0, num_tokens - 1), num_tokens),
             # The tails a resend (capped below the prompt's end) and an extension find.
-            self._last_tail(unit, tail_stop - 1),
-            self._last_tail(unit, tail_stop),
+            last_tail(self._groups, unit, tail_stop - 1),
+            last_tail(self._groups, unit, tail_stop),
         )
         return tuple(
             self._reach_mask(
@@ -262,8 +272,7 @@ class Coordinator:
         group keeps its partial block, a recurrent state its snapshot after exactly
         `tokens` tokens.
         """
-        tokens = _require_count("tokens", tokens)
-        return tokens > 0 and all(tokens % group.block_size for group in self._groups)
+        return ends_inside_every_block(self._groups, _require_count("tokens", tokens))
 
     def tail_boundaries(
         self, hit: int, max_tokens: int, unit: int, readable: Readable, limit: int
@@ -290,30 +299,7 @@ class Coordinator:
         if not self._tail_unit(unit):
             return []
         columns = [Descending(column) for column in self._columns(max_tokens, readable)]
-        boundaries: list[int] = []
-        tokens = max_tokens // unit * unit
-        while tokens > hit and len(boundaries) < limit:
-            if not self.is_tail_boundary(tokens):
-                tokens -= unit
-                continue
-            below = self._below_tail_miss(tokens, columns, unit)
-            if below is None:
-                boundaries.append(tokens)
-                tokens -= unit
-            else:
-                tokens = below
-        return boundaries
-
-    def _below_tail_miss(self, tokens: int, columns: Sequence[Column], unit: int) -> int | None:
-        """None if a tail at `tokens` has every whole block it needs readable, else the
-        largest multiple of `unit` below it that could: needs only slide left as the
-        boundary shrinks, so every boundary whose partial block lies past a miss needs it."""
-        for kind, column in zip(self._groups, columns, strict=True):
-            block_size = kind.block_size
-            miss = column.first_miss(kind.first_needed(tokens), tokens // block_size)
-            if miss is not None:
-                return ((miss + 1) * block_size - 1) // unit * unit
-        return None
+        return search_tails(self._groups, columns, hit, max_tokens, unit, limit)
 
     def tail_hit(self, tokens: int) -> Hit:
         """The hit of a prefix cut mid-block: per group the blocks needed at `tokens`, the
@@ -371,7 +357,10 @@ class Coordinator:
         one and the `replays`)."""
         step = self._alignment
         if self._retention == 1 or not self._groups[group].sparse:
-            return heapq.merge(range(step, top + 1, step), self._tails(group, unit, tail_stop))
+            return heapq.merge(
+                range(step, top + 1, step),
+                tails_in_group(self._groups, self._alignment, group, unit, tail_stop),
+            )
         retained = set(range(step * self._retention, top + 1, step * self._retention))
         retained.update(replay for replay in replays if replay > 0)
         return sorted(retained)
@@ -385,35 +374,7 @@ class Coordinator:
         return unit
 
     def _tails(self, group: int, unit: int, stop: int) -> list[int]:
-        """Ascending tails (multiples of `unit` ending inside a block of every group) up to
-        `stop` whose whole blocks in `group` no aligned boundary needs too.
-
-        Needs only slide right, so a tail in a block that an aligned boundary starts needs
-        a part of what that boundary does, and in each other block the block's first tail
-        needs all its later ones do: only those first tails are left, none at all where
-        the group's blocks are the alignment.
-        """
-        if not unit:
-            return []
-        size = self._groups[group].block_size
-        found = []
-        for aligned in range(0, stop, self._alignment):
-            for start in range(aligned + size, min(aligned + self._alignment, stop), size):
-                tokens = (start // unit + 1) * unit
-                while tokens < start + size and not self.is_tail_boundary(tokens):
-                    tokens += unit
-                if tokens < start + size and tokens <= stop:
-                    found.append(tokens)
-        return found
-
-    def _last_tail(self, unit: int, stop: int) -> int:
-        """The largest tail up to `stop` (0: none)."""
-        if not unit:
-            return 0
-        tokens = max(0, stop) // unit * unit
-        while tokens > 0 and not self.is_tail_boundary(tokens):
-            tokens -= unit
-        return tokens
+        return tails_in_group(self._groups, self._alignment, group, unit, stop)
 
     def _reach_mask(self, group: int, boundaries: Iterable[int], tokens: int) -> tuple[bool, ...]:
         """Union of the reach of `boundaries` over the full blocks of `tokens` tokens (a
