@@ -22,7 +22,7 @@ from hybridkv.integration.plugin import CONNECTOR_NAME
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
 from hybridkv.transport.master import is_listening, split_address
-from hybridkv.transport.mooncake_store import _mooncake_version, load_client_class
+from hybridkv.transport.mooncake_client import load_client_class, mooncake_version
 
 CONNECTOR_MODULE = "hybridkv.integration.connector"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -71,7 +71,7 @@ def versions() -> dict[str, str]:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    found["mooncake"] = _mooncake_version()
+    found["mooncake"] = mooncake_version()
     return found
 
 
@@ -127,7 +127,7 @@ def _client_check() -> Check:
         load_client_class()
     except StoreError as exc:
         return Check("mooncake client", "fail", str(exc))
-    return Check("mooncake client", "ok", f"range/session API present ({_mooncake_version()})")
+    return Check("mooncake client", "ok", f"range/session API present ({mooncake_version()})")
 
 
 def _master_checks(config: MooncakeConfig, admin: str) -> list[Check]:
