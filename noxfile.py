@@ -1,4 +1,4 @@
-"""One session per package, plus lint, e2e, bench and demo.
+"""One session per package, plus lint, e2e, bench, demo and wheels.
 
 Plain ``nox`` runs every test session (lint included). Each session builds a
 fresh virtual environment and installs the package under test together with
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 
 import nox
@@ -160,3 +161,61 @@ def bench(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     _install_stack(session)
     session.run("python", "demo/run_demo.py", *session.posargs, env=REAL_ENV)
+
+
+WHEELHOUSE = "dist/wheelhouse"
+PACKAGES = {
+    KEYS: "hybridkv-keys",
+    COORDINATOR: "hybridkv-coordinator",
+    TRANSPORT: "hybridkv-transport",
+    INTEGRATION: "hybridkv-integration",
+}
+
+
+def _wheel_requirements(session: nox.Session, distribution: str) -> list[str]:
+    """The wheel's third-party requirements (no extras); errors unless it holds LICENSE."""
+    stem = distribution.replace("-", "_")
+    [wheel] = [name for name in os.listdir(WHEELHOUSE) if name.startswith(f"{stem}-")]
+    with zipfile.ZipFile(os.path.join(WHEELHOUSE, wheel)) as archive:
+        names = archive.namelist()
+        [license_path] = [name for name in names if name.endswith(".dist-info/licenses/LICENSE")]
+        with open("LICENSE", "rb") as license_file:
+            if archive.read(license_path) != license_file.read():
+                session.error(f"{wheel}: {license_path} is not the repository's LICENSE")
+        [metadata_path] = [name for name in names if name.endswith(".dist-info/METADATA")]
+        metadata = archive.read(metadata_path).decode()
+    if "License-Expression: Apache-2.0" not in metadata.splitlines():
+        session.error(f"{wheel}: METADATA lacks License-Expression: Apache-2.0")
+    session.log(f"{wheel}: {license_path}")
+    requirements = [
+        line.partition(":")[2].strip()
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
+    return [req for req in requirements if not req.startswith("hybridkv-")]
+
+
+@nox.session(python=PYTHON)
+def wheels(session: nox.Session) -> None:
+    """Build the four wheels into dist/wheelhouse (each must hold the LICENSE), install
+    them into a fresh venv from that folder only (their third-party requirements from the
+    index) and run the `hybridkv` command there."""
+    session.install("build>=1.2")
+    shutil.rmtree(WHEELHOUSE, ignore_errors=True)
+    for path in PACKAGES:
+        session.run("python", "-m", "build", "--wheel", "--outdir", WHEELHOUSE, path)
+    third_party = sorted(
+        {req for name in PACKAGES.values() for req in _wheel_requirements(session, name)}
+    )
+    venv = os.path.join(session.create_tmp(), "wheel-venv")
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("python", "-m", "venv", venv)
+    python = os.path.join(venv, "bin", "python")
+    pip = [python, "-m", "pip", "install", "-q"]
+    session.run(*pip, *third_party, external=True)
+    # Ours from the wheelhouse only: no index, so nothing of that name can come from elsewhere.
+    session.run(*pip, "--no-index", "--no-deps", "--find-links", WHEELHOUSE,
+                *PACKAGES.values(), external=True)  # fmt: skip
+    session.run(python, "-m", "pip", "check", external=True)
+    session.run(os.path.join(venv, "bin", "hybridkv"), "--help", external=True)
+    session.run(python, "-c", "import hybridkv.integration.config", external=True)

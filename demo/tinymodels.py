@@ -1,11 +1,11 @@
 """Tiny random-weight models that vLLM-CPU can serve, built on the fly.
 
-No checkpoint can be downloaded in CI, so the end-to-end tests, the demo and the
-benchmark build their models here: one per KV-cache shape the connector must handle
-(one full-attention group, sliding window + full attention, conv, gated-delta-net or
-Mamba2 state + full attention, DeepSeek's compressed latent KV). Weights come from a fixed seed
-and are saved once, so every vLLM process that loads the directory computes with the
-same numbers.
+No checkpoint can be downloaded in CI, so the end-to-end tests, the demo, the
+benchmark and the connector's real-vLLM tests build their models here: one per KV-cache
+shape the connector must handle (one full-attention group, sliding window + full
+attention, conv, gated-delta-net or Mamba2 state + full attention, DeepSeek's compressed
+latent KV). Weights come from a fixed seed and are saved once, so every vLLM process
+that loads the directory computes with the same numbers.
 
 Random models at the usual init scale produce near-uniform logits that hide errors;
 ``initializer_range`` is raised so that each token's distribution depends visibly on
@@ -23,6 +23,10 @@ from typing import Any
 VOCAB_SIZE = 512
 HEAD_DIM = 64  # the CPU attention kernels accept 32, 64, 80, 96, 112, 128, ...
 SEED = 1234
+# The connector's real-vLLM tests' models (`build_bare`): their own seed and context.
+BARE_SEED = 0
+BARE_MAX_POSITIONS = 1024
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,15 @@ def _tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def _common(layers: int, hidden: int, heads: int, kv_heads: int) -> dict[str, Any]:
+def _common(
+    layers: int, hidden: int, heads: int, kv_heads: int, bare: bool = False
+) -> dict[str, Any]:
+    """The config fields every tiny model shares; `bare` (see `build_bare`): every head
+    its own KV head, a shorter context, no special-token ids."""
+    if bare:
+        common = _common(layers, hidden, heads, heads)
+        common["max_position_embeddings"] = BARE_MAX_POSITIONS
+        return {key: value for key, value in common.items() if key not in _TOKEN_IDS}
     return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": hidden,
@@ -75,12 +87,26 @@ def _common(layers: int, hidden: int, heads: int, kv_heads: int) -> dict[str, An
     }
 
 
-def _llama(layers: int, hidden: int) -> Any:
+def _llama(layers: int, hidden: int, bare: bool = False) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = hidden // HEAD_DIM
-    config = LlamaConfig(**_common(layers, hidden, heads, max(1, heads // 2)), head_dim=HEAD_DIM)
-    return LlamaForCausalLM(config)
+    common = _common(layers, hidden, heads, max(1, heads // 2), bare)
+    return LlamaForCausalLM(LlamaConfig(**common, head_dim=HEAD_DIM))
+
+
+def _gemma2(layers: int, hidden: int, bare: bool = False) -> Any:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    heads = hidden // HEAD_DIM
+    config = Gemma2Config(
+        # vLLM's Gemma2 always ties the output layer to the embedding
+        **{**_common(layers, hidden, heads, max(1, heads // 2), bare), "tie_word_embeddings": True},
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=64,
+    )
+    return Gemma2ForCausalLM(config)
 
 
 def _gemma3(layers: int, hidden: int) -> Any:
@@ -97,12 +123,12 @@ def _gemma3(layers: int, hidden: int) -> Any:
     return Gemma3ForCausalLM(config)
 
 
-def _lfm2(layers: int, hidden: int) -> Any:
+def _lfm2(layers: int, hidden: int, bare: bool = False) -> Any:
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     heads = hidden // HEAD_DIM
     config = Lfm2Config(
-        **_common(layers, hidden, heads, max(1, heads // 2)),
+        **_common(layers, hidden, heads, max(1, heads // 2), bare),
         block_auto_adjust_ff_dim=False,
         # vLLM's Lfm2 reads the original checkpoint names, which transformers dropped
         conv_dim=hidden,
@@ -227,6 +253,24 @@ def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyMode
         _tokenizer(directory)
         marker.write_text(json.dumps({"name": name, "layers": layers, "hidden": hidden}))
     return TinyModel(name=name, path=directory, kv_groups=groups)
+
+
+# The connector's real-vLLM tests (integration/tests) build these, `bare`.
+BARE_BUILDERS: dict[str, Callable[..., Any]] = {"llama": _llama, "gemma2": _gemma2, "lfm2": _lfm2}
+
+
+def build_bare(name: str, root: Path) -> Path:
+    """Model `name` of `BARE_BUILDERS` as the connector's real-vLLM tests use it, saved
+    under `root / name`: 4 layers, hidden 128, every head its own KV head, 1024
+    positions, seeded with BARE_SEED, without tokenizer or special-token ids (the tests
+    pass token ids)."""
+    import torch
+
+    path = root / name
+    if not (path / "config.json").exists():
+        torch.manual_seed(BARE_SEED)
+        BARE_BUILDERS[name](4, 128, bare=True).to(torch.float32).save_pretrained(path)
+    return path
 
 
 def build_eagle_draft(target: TinyModel) -> Path:

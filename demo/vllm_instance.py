@@ -25,12 +25,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+
+from hybridkv.integration.cli.master_http import MasterHttp
 
 CONNECTOR_NAME = "HybridKVConnector"
 CONNECTOR_MODULE = "hybridkv.integration"
@@ -245,9 +246,7 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 def list_pool_keys(master_http: str) -> list[str]:
     """Every key the master knows, from its HTTP admin endpoint."""
-    with urllib.request.urlopen(f"http://{master_http}/get_all_keys", timeout=5) as reply:
-        text: str = reply.read().decode()
-    return sorted(line for line in text.splitlines() if line)
+    return MasterHttp(master_http).list_keys()
 
 
 # -- child side -------------------------------------------------------------------------

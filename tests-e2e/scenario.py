@@ -9,10 +9,7 @@ by ~5e-3 in logprob, measured) and lets every comparison be exact.
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ from vllm_instance import (
     run_instance,
 )
 
+from hybridkv.integration.cli.master_http import MasterHttp
 from hybridkv.keys import HybridKey, parse_key
 from hybridkv.transport import MooncakeStore, Status
 
@@ -168,14 +166,7 @@ def assert_hit_but_changed(got: PromptResult, cold: PromptResult, hit: int) -> N
 
 def object_size(master_http: str, key: str) -> int:
     """Size of a stored object, from the master's replica descriptor."""
-    url = f"http://{master_http}/query_key?key={urllib.parse.quote(key, safe='@:')}"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        answer: dict[str, Any] = json.loads(reply.read())
-    if not answer.get("success"):
-        raise LookupError(f"master does not know {key!r}: {answer}")
-    sizes = {int(replica["size_"]) for replica in answer["data"]}
-    (size,) = sizes
-    return size
+    return MasterHttp(master_http).object_size(key)
 
 
 class Surgeon:

@@ -1,9 +1,15 @@
-"""Shared builders: real vLLM spec objects and request/output stand-ins for the scheduler."""
+"""Shared builders: real vLLM spec objects and request/output stand-ins for the scheduler.
+
+The real-vLLM tests' tiny models are the demo's (`demo/tinymodels.py`: a script beside
+the demo, not a package), so `demo/` goes on the import path here.
+"""
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -13,6 +19,7 @@ from hybridkv.transport.testing import real_required
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demo"))
 
 
 def require(module: str) -> ModuleType:

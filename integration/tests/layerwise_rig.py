@@ -85,9 +85,13 @@ class Rig:
         options = options or PipelineOptions(granularity="layer")
         self.engine = TransferEngine(self.store, self.layouts, options)
         all_layers = sorted({layer for _, layers in groups.values() for layer in layers})
-        self.strategy = LayerwiseStrategy(
-            self.engine, all_layers, reporters, new_event, always_report
-        )
+        try:
+            self.strategy = LayerwiseStrategy(
+                self.engine, all_layers, reporters, new_event, always_report
+            )
+        except BaseException:
+            self.engine.close()  # its threads would outlive the test
+            raise
 
     def transfers(
         self, blocks: Sequence[int], groups: Sequence[int] | None = None, tag: str = ""

@@ -17,16 +17,15 @@ from typing import Any
 
 import pytest
 from conftest import attention, groups, request, require, scheduler_output
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
+from hybridkv.integration.cache_layouts import build_layouts
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata, RequestTransfers
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.transfer_strategy import WholeBlocks
-from hybridkv.integration.worker import WorkerSide, build_layouts
+from hybridkv.integration.worker import WorkerSide
 from hybridkv.transport import CpuEvent, MemoryStore, TransferEngine
 
 torch = require("torch")
@@ -364,37 +363,3 @@ def test_a_preempted_request_s_freed_blocks_are_not_taken_for_its_own(
     out = scheduler_output(cached=[("a", 32, 168), ("q", 40, 1)])
     saved = {(t.request_id, ref.index) for t in side.build_meta(out).requests for ref in t.saves}
     assert ("q", 0) in saved
-
-
-_spans = st.lists(
-    st.lists(st.integers(1, 6), min_size=1, max_size=4).flatmap(
-        lambda ids: st.tuples(
-            st.just(ids),
-            st.integers(0, len(ids) * SIZE).flatmap(
-                lambda start: st.tuples(st.just(start), st.integers(start, len(ids) * SIZE))
-            ),
-        )
-    ),
-    max_size=4,
-)
-
-
-@settings(max_examples=500)
-# S (first) meets no poisoned block, but holds block 2, which C writes over poisoned 1.
-@example(spans=[([3, 2, 4], (64, 90)), ([1, 2], (32, 64))], poisoned={1: 0})
-@given(spans=_spans, poisoned=st.dictionaries(st.integers(1, 6), st.integers(0, SIZE)))
-def test_leaving_out_the_requests_that_meet_no_poisoned_block_changes_nothing(
-    spans: list[tuple[list[int], tuple[int, int]]], poisoned: dict[int, int]
-) -> None:
-    """A step's pass over the poisoned blocks only visits the requests that may meet one
-    (cheap while a poisoned block lingers); the blocks it leaves poisoned are those the
-    pass over every request of the step leaves."""
-    specs = require("vllm.v1.kv_cache_interface")
-    plan = plan_groups(groups(specs, (["a"], attention(specs))), [0], ModelShape(1, 2))
-    keys = KeySpace(plan, "tiny")
-    every, some = (SchedulerSide(keys, ConnectorConfig(), lambda _: None) for _ in range(2))
-    steps = [(ids, start, done) for ids, (start, done) in spans]
-    every._poisoned, some._poisoned = dict(poisoned), dict(poisoned)
-    every._heal(steps, {})
-    some._heal(some._meeting_poison(steps), {})
-    assert some._poisoned == every._poisoned

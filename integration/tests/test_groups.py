@@ -169,7 +169,7 @@ def test_the_digest_follows_how_vllm_orders_a_blocks_heads_and_tokens(
     import torch
     from vllm.config import CacheConfig, ParallelConfig
 
-    from hybridkv.integration.connector import plan_from_vllm
+    from hybridkv.integration.vllm_facts import plan_from_vllm
 
     spec = vllm_specs.FullAttentionSpec(
         block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.float32, num_head_slots=slots
@@ -311,7 +311,7 @@ def test_parallelism_that_splits_a_block_across_ranks_is_refused(setting: str) -
     keyed by head alone they would load each other's."""
     from vllm.config import ParallelConfig
 
-    from hybridkv.integration.connector import plan_from_vllm
+    from hybridkv.integration.vllm_facts import plan_from_vllm
 
     vllm_config: Any = SimpleNamespace(
         parallel_config=ParallelConfig(tensor_parallel_size=2, **{setting: 2})
@@ -325,7 +325,7 @@ def test_layerwise_transfer_refuses_micro_batches(dbo: bool, ubatch: int) -> Non
     """Each micro-batch runs every layer: a layer's save would go out after the first."""
     from vllm.config import ParallelConfig
 
-    from hybridkv.integration.connector import refuse_layerwise_micro_batches
+    from hybridkv.integration.vllm_facts import refuse_layerwise_micro_batches
 
     parallel = ParallelConfig(enable_dbo=dbo, ubatch_size=ubatch)
     with pytest.raises(ValueError, match=f"enable_dbo={dbo}, ubatch_size={ubatch}"):
@@ -336,7 +336,7 @@ def test_layerwise_transfer_refuses_micro_batches(dbo: bool, ubatch: int) -> Non
 def test_layers_are_numbered_as_vllm_binds_their_caches() -> None:
     """LongCat-Flash holds two attention modules per layer, numbered apart by vLLM (one
     number each would name two integers and stop start-up); other models, one per layer."""
-    from hybridkv.integration.connector import layer_numbers
+    from hybridkv.integration.vllm_facts import layer_numbers
 
     longcat = ["model.layers.3.self_attn.0.attn", "model.layers.3.self_attn.1.attn"]
     assert layer_numbers(longcat, "longcat_flash") == dict(zip(longcat, [6, 7], strict=True))

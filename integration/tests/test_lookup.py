@@ -387,9 +387,9 @@ def test_data_parallel_engines_on_one_host_take_their_own_lookup_port(
             kv_events_config=None,
         )
         connectors.append(HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config))
-    endpoints = [connector._lookup_endpoint for connector in connectors]
+    endpoints = [connector._channel.endpoint for connector in connectors]
     assert endpoints == [f"tcp://{LOOPBACK}:{port}", f"tcp://{LOOPBACK}:{port + 1}"]
-    assert [connector._instance for connector in connectors] == [
+    assert [connector._channel.instance for connector in connectors] == [
         "engine_dp0-dp0",
         "engine_dp1-dp1",
     ]

@@ -9,6 +9,7 @@ import pytest
 
 from hybridkv.integration import connector as connector_module
 from hybridkv.integration.connector import HybridKVConnector
+from hybridkv.integration.lookup_channel import LookupChannel
 from hybridkv.integration.pool import Pool
 
 
@@ -39,7 +40,7 @@ def _connector(worker: Worker, store: RecordingStore) -> HybridKVConnector:
     connector = object.__new__(HybridKVConnector)
     connector._worker = worker  # type: ignore[assignment]
     connector._server = None
-    connector._socket_path = None
+    connector._channel = LookupChannel("shutdown-test", port=1)  # no socket file
     connector._pool = Pool(store)  # type: ignore[arg-type]
     connector._client = None
     return connector

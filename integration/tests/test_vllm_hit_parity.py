@@ -131,7 +131,7 @@ def test_pool_hit_is_vllm_s_own(
     ]
     hit = hit_on(cached)
     # What the connector saves of the writer serves the same hit as what vLLM caches (the
-    # states of Mamba groups: where the writer's chunks left one, see test_scheduler.py).
+    # states of Mamba groups: where the writer's chunks left one, see test_save_planner.py).
     if not any(isinstance(group.kind, RecurrentState) for group in plan.groups):
         assert hit_on([list(mask) for mask in ours.store_mask(written)]) == hit
     if hit != vllm_hit:

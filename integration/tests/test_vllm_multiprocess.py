@@ -11,12 +11,14 @@ Reuse across vLLM instances lives in tests-e2e.
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
 import pytest
 from conftest import require
-from tinymodels import build, complete, new_llm
+from tinymodels import build_bare
+from vllm_rig import complete, new_llm
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
@@ -47,7 +49,7 @@ def test_scheduler_looks_up_a_worker_process_over_real_mooncake(
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build("llama", tmp_path)
+    model = build_bare("llama", tmp_path)
     llm = new_llm(model, {"namespace": "multiprocess"}, distributed_executor_backend="mp")
     try:
         cold = complete(llm)
@@ -58,6 +60,15 @@ def test_scheduler_looks_up_a_worker_process_over_real_mooncake(
     assert cold[2] == 0
     assert warm[2] == HIT
     assert warm[:2] == cold[:2]
+
+
+def _parent(pid: int) -> int:
+    """`pid`'s parent (0 once it is gone): /proc/PID/stat's fourth field."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat_line.rsplit(")", 1)[1].split()[1])
 
 
 def _masters_running() -> set[int]:
@@ -72,6 +83,23 @@ def _masters_running() -> set[int]:
             if any(arg.endswith(b"mooncake_master") for arg in argv[:2]):
                 found.add(int(entry.name))
     return found
+
+
+def _masters_started_here() -> set[int]:
+    """The masters this test process started, through any number of children (other
+    suites on the machine may run masters of their own)."""
+    mine = os.getpid()
+    return {pid for pid in _masters_running() if _descends_from(pid, mine)}
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    for _ in range(64):  # bounded: a chain of processes is short
+        pid = _parent(pid)
+        if pid in (0, 1):
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
@@ -89,11 +117,11 @@ def test_embedded_master_serves_the_instance_and_leaves_nothing_behind(
     monkeypatch.setenv("TMPDIR", str(temp))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build("llama", tmp_path)
-    before = _masters_running()
+    model = build_bare("llama", tmp_path)
+    before = _masters_started_here()
     llm = new_llm(model, {"namespace": "embedded"}, distributed_executor_backend="mp")
     try:
-        started = _masters_running() - before
+        started = _masters_started_here() - before
         (lookup,) = temp.glob("hybridkv-lookup-*")  # (the master's logs are hybridkv-* too)
         lookup_mode = stat.S_IMODE(lookup.stat().st_mode)
         lookup_files = [p.name for p in lookup.iterdir()]

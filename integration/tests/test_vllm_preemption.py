@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import require
-from tinymodels import build, new_llm
+from tinymodels import build_bare
+from vllm_rig import new_llm
 
 BLOCKS = 11  # KV blocks of 32 tokens: about one and a half of the four requests
 PROMPTS = [[4 + (i * 37 + j * 101) % 500 for i in range(160)] for j in range(4)]
@@ -94,7 +95,7 @@ def test_preempted_requests_resume_from_the_pool_with_vllms_output(
         original(self, request, *args, **kwargs)
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counting)
-    model = build("llama", tmp_path_factory.mktemp("models"))
+    model = build_bare("llama", tmp_path_factory.mktemp("models"))
     extra = {"store": "memory", "namespace": "preemption"}
 
     reference, _ = _generate(model, None)

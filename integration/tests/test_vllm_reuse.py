@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 from conftest import require
-from tinymodels import PROMPT, build, complete, new_llm
+from tinymodels import build_bare
+from vllm_rig import PROMPT, complete, new_llm
 
 HIT = 192  # every full 32-token block below the prompt's last token
 
@@ -61,7 +62,7 @@ def _in_process_model(
     require("transformers")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    return build(name, tmp_path_factory.mktemp("models"))
+    return build_bare(name, tmp_path_factory.mktemp("models"))
 
 
 def _run(

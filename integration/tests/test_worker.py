@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from conftest import attention, groups, mamba, require
 
+from hybridkv.integration.cache_layouts import build_layouts, tensor_entries
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
@@ -27,7 +28,7 @@ from hybridkv.integration.transfer_strategy import (
     TransferStrategy,
     WholeBlocks,
 )
-from hybridkv.integration.worker import WorkerSide, build_layouts, tensor_entries
+from hybridkv.integration.worker import WorkerSide
 from hybridkv.transport import (
     BlockTransfer,
     CpuEvent,
@@ -475,10 +476,10 @@ def test_where_vllm_writes_blocks_before_the_next_step_s_first_hook_saves_end_in
 def test_saves_outlive_the_step_only_on_runners_known_to_call_the_first_hook_first(
     v2: bool, device: str, outlive: bool
 ) -> None:
-    from hybridkv.integration.connector import _preemptions_come_first
+    from hybridkv.integration.vllm_facts import preemptions_come_first
 
     config = SimpleNamespace(use_v2_model_runner=v2)
-    assert _preemptions_come_first(config, device) is outlive  # type: ignore[arg-type]
+    assert preemptions_come_first(config, device) is outlive  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("layerwise", [True, False])

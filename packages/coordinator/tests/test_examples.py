@@ -44,6 +44,15 @@ def test_each_kind_needs_what_the_issue_says() -> None:
     assert coord.load_mask(0) == ((), (), (), ())
 
 
+def test_each_kind_answers_the_scheduler_s_questions_itself() -> None:
+    """vLLM keeps every block of full attention while a request runs, and frees windows,
+    chunks and states behind it; only a recurrent state's block holds one state."""
+    kinds = [FullAttention(16), SlidingWindow(16, window=40), ChunkedLocal(16, 64)]
+    kinds.append(RecurrentState(16))
+    assert [kind.keeps_passed_blocks for kind in kinds] == [True, False, False, False]
+    assert [kind.holds_state for kind in kinds] == [False, False, False, True]
+
+
 def test_chunk_not_a_multiple_of_the_block_needs_the_block_holding_its_start() -> None:
     coord = Coordinator([ChunkedLocal(16, chunk=40)], alignment=16)
     assert blocks(coord.load_mask(64)[0]) == [2, 3]  # chunk starts at token 40, block 2

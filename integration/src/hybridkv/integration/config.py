@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from hybridkv.integration.transfer_mode import TransferMode
 from hybridkv.transport import Granularity, MooncakeConfig, PipelineOptions, parse_size
 
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
@@ -61,7 +62,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # object; a step larger than it moves in waves. Bytes, or a size such as "256MB".
     staging_bytes: NonNegative = 256 << 20
     # How objects meet the store ("auto": chosen per device, protocol and cache layout,
-    # see `granularity_for`); "staged" needs host caches.
+    # see `transfer_mode.granularity`); "staged" needs host caches.
     granularity: Granularity | Literal["auto"] = "auto"
     # The KV cache layout asked of vLLM (a KVCacheLayout name; none: vLLM's own choice).
     # "BLHNC" puts a block's layers back to back, so every object is one run of cache
@@ -174,43 +175,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def pipeline_options(
         self, device: str, rdma: bool = False, contiguous: bool = False
     ) -> PipelineOptions:
-        """The transport's settings for caches on `device` (see `granularity_for`)."""
-        return PipelineOptions(
-            granularity=self.granularity_for(device, rdma, contiguous),
-            backlog=self.bench_layerwise_backlog,
-            prefetch_layers=self.layerwise_prefetch_layers,
-            max_transfer_blocks=self.layerwise_max_transfer_blocks,
-            max_transfer_bytes=self.layerwise_max_transfer_bytes,
-            staging_bytes=self.staging_bytes,
-            full_pool_pause_s=self.full_pool_pause_s,
-        )
-
-    def granularity_for(self, device: str, rdma: bool, contiguous: bool) -> Granularity:
-        """The configured granularity, or for "auto" the one that moves fewest pieces
-        without losing the layer overlap where it pays.
-
-        Host caches: "staged" (one piece per object; objects that are one run of cache
-        memory move in place). Device caches have no host copy, so a piece per layer and
-        cache entry, unless the object is one run of memory (`contiguous`: every group has
-        a block-outermost layout). Over TCP each piece costs ~30-40 us, so "group" (one
-        multi-buffer call per group) wins whenever the layer overlap cannot pay for the
-        pieces: whole-block steps, and layerwise steps whose objects are single pieces.
-        Layerwise steps over RDMA, or with objects in many pieces, use "layer": each
-        layer moves while the next one computes.
-        """
-        on_host = device.split(":", 1)[0] == "cpu"
-        if self.granularity == "staged" and not on_host:
-            raise ValueError(
-                f"granularity 'staged' copies through host memory with the CPU and cannot "
-                f"reach caches on {device!r}: use 'auto', 'layer' or 'group'"
-            )
-        if self.granularity != "auto":
-            return self.granularity
-        if on_host:
-            return "staged"
-        if self.use_layerwise and (rdma or not contiguous):
-            return "layer"
-        return "group"
+        """The transport's settings for caches on `device` (decided with the transfer
+        mode: see `transfer_mode.granularity`)."""
+        return TransferMode.choose(self, device, rdma, contiguous).options
 
     def saves_for(self, kv_role: str | None) -> bool:
         return kv_role != "kv_consumer" or self.consumer_is_to_put

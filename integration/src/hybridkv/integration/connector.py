@@ -7,10 +7,8 @@ digest) from `kv_cache_config`, so they agree on every key without talking about
 
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,30 +21,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from hybridkv.integration.bounded_wait import finished_within
+from hybridkv.integration.cache_layouts import build_layouts
 from hybridkv.integration.checkpoints import drops_eagle_block, prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
-from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
-from hybridkv.integration.kv_events import EventBuilder, PoolAnnouncer, StoredEvents
+from hybridkv.integration.kv_events import PoolAnnouncer, StoredEvents
 from hybridkv.integration.logs import follow_vllm_logging
-from hybridkv.integration.lookup import (
-    LOOPBACK,
-    LookupClient,
-    LookupServer,
-    claim_socket,
-    is_private,
-    remove_socket,
-    socket_path,
-)
+from hybridkv.integration.lookup import LookupClient, LookupServer
+from hybridkv.integration.lookup_channel import LookupChannel
 from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
-from hybridkv.integration.transfer_strategy import TransferStrategy, WholeBlocks
+from hybridkv.integration.transfer_mode import TransferMode
+from hybridkv.integration.vllm_facts import (
+    background_loads_reason,
+    data_parallel_index,
+    event_builder,
+    explain_failed_loads,
+    hash_block_size,
+    instance_id,
+    layer_numbers,
+    plan_from_vllm,
+    prompt_tail_unit,
+    refuse_layerwise_micro_batches,
+)
 from hybridkv.integration.weights import weights_identity
-from hybridkv.integration.worker import WorkerSide, build_layouts
+from hybridkv.integration.worker import WorkerSide
+from hybridkv.integration.worker_start import WorkerRanks, new_worker_side
 from hybridkv.keys import model_name
-from hybridkv.transport import TransferEngine, make_event
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,199 +67,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def plan_from_vllm(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str, weights: str
-) -> KVPlan:
-    """`weights`: what besides the layout makes the KV differ (`weights_identity`)."""
-    parallel = vllm_config.parallel_config
-    for what, setting, size in (
-        # Context-parallel ranks hold the same heads but different tokens of each block:
-        # keyed by head alone, one rank's share would be loaded by all of them.
-        (
-            "decode context parallelism",
-            "decode_context_parallel_size",
-            parallel.decode_context_parallel_size,
-        ),
-        (
-            "prefill context parallelism",
-            "prefill_context_parallel_size",
-            parallel.prefill_context_parallel_size,
-        ),
-    ):
-        if size > 1:
-            raise ValueError(f"HybridKVConnector does not support {what} yet ({setting}={size})")
-    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    shape = ModelShape(
-        tp_size=parallel.tensor_parallel_size,
-        total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-        block_interior="".join(axis for axis in layout.name if axis in "HNC"),
-    )
-    return plan_groups(
-        kv_cache_config.kv_cache_groups,
-        kv_cache_config.prefix_cacheable_group_ids,
-        shape,
-        namespace,
-        _pipeline_stages(vllm_config),
-        weights,
-    )
-
-
-def _pipeline_stages(vllm_config: VllmConfig) -> list[tuple[int, int]]:
-    """The model layers of each pipeline stage, as vLLM splits them (none: one stage)."""
-    from vllm.distributed.utils import get_pp_indices
-
-    stages = vllm_config.parallel_config.pipeline_parallel_size
-    if stages == 1:
-        return []
-    layers = vllm_config.model_config.get_total_num_hidden_layers()
-    return [get_pp_indices(layers, rank, stages) for rank in range(stages)]
-
-
-def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:
-    """Layerwise transfer takes a layer's connector calls as the whole batch's: with
-    micro-batches (dual-batch overlap), a layer's save would go out after the first."""
-    parallel = vllm_config.parallel_config
-    if parallel.use_ubatching:
-        raise ValueError(
-            "HybridKVConnector's use_layerwise does not support micro-batching "
-            f"(enable_dbo={parallel.enable_dbo}, ubatch_size={parallel.ubatch_size}): "
-            "turn one of them off"
-        )
-
-
-def _vllm_hash_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
-    # vLLM hashes requests at kv_cache_config.hash_block_size (set by the engine core).
-    return int(kv_cache_config.hash_block_size or vllm_config.cache_config.block_size)
-
-
-def prompt_tail_unit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
-    """vLLM's hash unit where its own prefix cache hits inside blocks, else 0.
-
-    Asks vLLM what its hybrid coordinator asks (a Mamba "align" group with blocks larger
-    than the unit, every other group able to hit at the unit), with prefix caching on.
-    Not with speculative decoding: vLLM then moves the prompt's checkpoint back a unit.
-    """
-    from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    unit = kv_cache_config.hash_block_size
-    groups = kv_cache_config.kv_cache_groups
-    if (
-        not unit
-        or len(groups) < 2
-        or not vllm_config.cache_config.enable_prefix_caching
-        or vllm_config.speculative_config is not None
-    ):
-        return 0
-    managers = []
-    for group in groups:
-        manager = KVCacheSpecRegistry.get_manager_class(group.kv_cache_spec, group.role)
-        if manager is None:
-            return 0
-        managers.append(manager)
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
-    return unit if partial_hash_hits_enabled(groups, unit, dcp, managers) else 0
-
-
-def layer_numbers(names: Iterable[str], model_type: str) -> dict[str, int]:
-    """Each cache's physical layer, numbered as vLLM binds the caches (`bind_kv_cache`):
-    LongCat-Flash's two attention modules per layer get numbers of their own."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    modules = 2 if model_type == "longcat_flash" else 1
-    return {name: extract_layer_index(name, modules) for name in names}
-
-
-def _data_parallel_index(vllm_config: VllmConfig) -> int:
-    """This engine's data-parallel rank. Not `data_parallel_rank`: vLLM sets that to 0 in
-    every engine of a dense model (its DP engines run independently), so engines on one
-    host would share a lookup port."""
-    index: int = vllm_config.parallel_config.data_parallel_index
-    return index
-
-
-def _instance_id(vllm_config: VllmConfig) -> str:
-    transfer = vllm_config.kv_transfer_config
-    assert transfer is not None
-    return f"{transfer.engine_id}-dp{_data_parallel_index(vllm_config)}"
-
-
-def _any_rank(tp_group: Any) -> Callable[[bool], bool]:
-    """Whether a flag is set on any rank of vLLM's TP group (one MAX all-reduce over its
-    CPU group; every rank calls it together)."""
-
-    def any_rank(flag: bool) -> bool:
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        torch.distributed.all_reduce(
-            value, op=torch.distributed.ReduceOp.MAX, group=tp_group.cpu_group
-        )
-        return bool(value.item())
-
-    return any_rank
-
-
-def _preemptions_come_first(vllm_config: VllmConfig, device: str) -> bool:
-    """Whether vLLM's model runner calls `handle_preemptions` before it zeroes new blocks,
-    copies blocks or computes: then a step's whole-block saves may go on reading their
-    blocks until then. vLLM's V1 runner (CUDA, CPU) does; its V2 runner (the default on
-    CUDA) zeroes and copies blocks first, and other platforms' runners are unchecked:
-    there every save completes within `wait_for_save`."""
-    return not vllm_config.use_v2_model_runner and device in ("cpu", "cuda")
-
-
-def background_loads_reason(vllm_groups: int, plan: KVPlan) -> str | None:
-    """Why pool hits must load in the background (None: they may load before the forward).
-
-    A load before the forward that fails is reported by block ids; vLLM 0.32 then
-    recomputes from the first failed block on, over the blocks before it. A background
-    load that fails is reported by request, and vLLM recomputes it from its first token.
-    """
-    if vllm_groups > 1:
-        return (
-            f"{vllm_groups} KV cache groups: block ids repeat across them, and vLLM stops "
-            "the engine on failed block ids of such a model"
-        )
-    if any(group.kind.sparse for group in plan.groups):
-        return (
-            "a sliding-window or state group: recomputing from a failed block would start "
-            "over a window or state that the hit never loaded (it needs its own boundary's)"
-        )
-    if plan.pp_size > 1:
-        return (
-            f"{plan.pp_size} pipeline stages: a stage that computed over its own failed "
-            "load hands wrong hidden states to the next, and the stages cannot agree within "
-            "a step; vLLM learns of a failed background load before any stage computes"
-        )
-    return None
-
-
 # How long shutdown waits for the worker's transfers to drain (vLLM itself kills workers
 # that take more than a few seconds to stop).
 SHUTDOWN_WAIT_S = 10.0
-
-
-def finished_within(work: Callable[[], None], seconds: float, name: str) -> bool:
-    """Run `work` on a daemon thread; whether it returned within `seconds` (what it
-    raised is raised here). A daemon thread still running does not keep the process;
-    where no thread can start (at interpreter exit), `work` runs here, unbounded."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:
-        work()
-        return True
-    thread.join(seconds)
-    if errors:
-        raise errors[0]
-    return not thread.is_alive()
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -276,12 +90,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config)
         # A fixed port past 65535, or a socket path too long, is refused here, not at the
         # first lookup.
-        port = self.config.lookup_port(_data_parallel_index(vllm_config))
-        self._instance = _instance_id(vllm_config)
-        # Worker rank 0's lookup server: the configured loopback port, else a Unix socket
-        # (`_socket_path`, None with a port) whose path the scheduler takes once answered.
-        self._socket_path = None if port else socket_path(self._instance)
-        self._lookup_endpoint = f"tcp://{LOOPBACK}:{port}" if port else f"ipc://{self._socket_path}"
+        port = self.config.lookup_port(data_parallel_index(vllm_config))
+        self._channel = LookupChannel(instance_id(vllm_config), port)
         if self.config.use_layerwise:
             refuse_layerwise_micro_batches(vllm_config)
         weights = weights_identity(vllm_config, self.config.weights_version)
@@ -298,34 +108,21 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._events_on = events is not None and events.enable_kv_cache_events
         self._announcer: PoolAnnouncer | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if transfer.kv_load_failure_policy != "recompute":
-                logger.warning(
-                    "kv_load_failure_policy is %r: a request whose pool load fails will end "
-                    "with an error; set it to 'recompute' to have vLLM recompute those blocks",
-                    transfer.kv_load_failure_policy,
-                )
-            builder = self._event_builder(kv_cache_config) if self._events_on else None
+            background = background_loads_reason(len(kv_cache_config.kv_cache_groups), self.plan)
+            explain_failed_loads(
+                transfer.kv_load_failure_policy, self.config.load_async, background
+            )
+            builder = (
+                event_builder(vllm_config, kv_cache_config, self.plan) if self._events_on else None
+            )
             if self._events_on:
                 # Every stage's workers write their own objects of each head.
                 stages = self.plan.pp_size
                 storing = {g.vllm_group_id: g.heads.storing * stages for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(
-                self._lookup_address, self.config.lookup_timeout_ms, self._take_socket
+                self._channel.address, self.config.lookup_timeout_ms, self._channel.answered
             )
-            background = background_loads_reason(len(kv_cache_config.kv_cache_groups), self.plan)
-            if background is not None and not self.config.load_async:
-                logger.info(
-                    "hybridkv: pool hits load in the background (load_async): %s.", background
-                )
-            elif not self.config.load_async and transfer.kv_load_failure_policy == "recompute":
-                logger.info(
-                    "hybridkv: pool hits load before the forward; vLLM caches their blocks "
-                    "before they arrive, and when a load fails, a request that hits them in "
-                    "vLLM's prefix cache before they are recomputed (the failed request "
-                    "preempted or cancelled first) computes over them (see "
-                    "docs/configuration.md); load_async=true avoids it"
-                )
             self._scheduler = SchedulerSide(
                 self.keys,
                 self.config,
@@ -336,30 +133,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 load_async_required=background is not None,
                 checkpoints=prefill_checkpoints(vllm_config, kv_cache_config, self.plan),
                 use_eagle=drops_eagle_block(vllm_config),
-                local_hit_unit=_vllm_hash_block_size(vllm_config, kv_cache_config),
+                local_hit_unit=hash_block_size(vllm_config, kv_cache_config),
                 steps_ahead=vllm_config.max_concurrent_batches - 1,
             )
-
-    def _event_builder(self, kv_cache_config: KVCacheConfig) -> EventBuilder:
-        hash_block_size = _vllm_hash_block_size(self._vllm_config, kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups
-        specs = {g.vllm_group_id: groups[g.vllm_group_id].kv_cache_spec for g in self.plan.groups}
-        return EventBuilder(hash_block_size, specs)
-
-    def _lookup_address(self) -> str | None:
-        # Not vLLM's connector handshake: under a MultiConnector only the first child's
-        # handshake metadata reaches the scheduler, so ours could shadow (or be shadowed
-        # by) NIXL's. None until worker rank 0 listens.
-        path = self._socket_path
-        if path is None or (is_private(path.parent) and path.exists()):
-            return self._lookup_endpoint
-        return None
-
-    def _take_socket(self) -> None:
-        """Connected: no one else may connect, and no file outlives the instance (its
-        workers may be killed before they could remove it)."""
-        if self._socket_path is not None:
-            remove_socket(self._socket_path)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -460,59 +236,34 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import (
-            get_pp_group,
-            get_tensor_model_parallel_rank,
-            get_tp_group,
-        )
-
-        tp_rank = get_tensor_model_parallel_rank()
-        tp_group = get_tp_group()
-        pp_rank = get_pp_group().rank_in_group
+        ranks = WorkerRanks.current()
         if self.plan.pp_size > 1:
             self.keys = KeySpace(
                 self.plan,
                 model_name(self._vllm_config.model_config.model),
                 self.config.namespace,
-                pp_rank,
+                ranks.pp_rank,
             )
         layer_index = layer_numbers(kv_caches, self._vllm_config.model_config.hf_config.model_type)
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
-        pool = open_pool(self.config, tp_rank, tp_group.broadcast_object, self.plan.pp_size)
+        pool = open_pool(
+            self.config, ranks.tp_rank, ranks.tp_group.broadcast_object, self.plan.pp_size
+        )
         device = self._vllm_config.device_config.device_type
         contiguous = all(layout.contiguous for layout in layouts)
         try:
-            options = self.config.pipeline_options(device, pool.rdma, contiguous)
+            mode = TransferMode.choose(self.config, device, pool.rdma, contiguous)
         except ValueError:
             pool.close()  # an embedded master must not outlive the refused start
             raise
         self._pool = pool
-        logger.info(
-            "hybridkv: TP rank %d moves %d KV cache groups %s at granularity %r; %d of them "
-            "in place (block-outermost caches: one run of memory per object, no copy)",
-            tp_rank,
-            len(layouts),
-            "layer by layer" if self.config.use_layerwise else "as whole blocks",
-            options.granularity,
-            sum(layout.contiguous for layout in layouts),
-        )
-        engine = TransferEngine(self._pool.store, layouts, options, device)
-        self._worker = WorkerSide(
-            self.keys,
-            engine,
-            self._strategy(engine, device),
-            tp_rank,
-            lambda: make_event(device),
-            _any_rank(tp_group) if tp_group.world_size > 1 else None,
-            steps_ahead=self._vllm_config.max_concurrent_batches - 1,
-            saves_outlive_step=_preemptions_come_first(self._vllm_config, device),
-        )
-        if tp_rank == 0 and pp_rank == 0:
-            if self._socket_path is not None:
-                claim_socket(self._socket_path, self._instance)
-                atexit.register(remove_socket, self._socket_path)  # if never shut down
+        self._worker = new_worker_side(self._vllm_config, self.keys, pool, layouts, mode, ranks)
+        if ranks.serves_lookups:
+            self._channel.claim()
             self._server = LookupServer(
-                engine.batch_is_readable, self._lookup_endpoint, self._remove_from_pool
+                self._worker.engine.batch_is_readable,
+                self._channel.endpoint,
+                self._remove_from_pool,
             )
 
     def _remove_from_pool(self) -> int:
@@ -524,16 +275,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         store = self.worker_side.engine.store
         return sum(store.remove_by_prefix(prefix) for prefix in prefixes)
 
-    def _strategy(self, engine: TransferEngine, device: str) -> TransferStrategy:
-        if self.config.use_layerwise:
-            from hybridkv.integration.layerwise.vllm_window import build_vllm_layerwise
-
-            context = self._vllm_config.compilation_config.static_forward_context
-            return build_vllm_layerwise(engine, context, device, self._vllm_config)
-        return WholeBlocks(engine, lambda: make_event(device))
-
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first hook of a step (see `_preemptions_come_first`).
+        # The first hook of a step (see `preemptions_come_first`).
         self.worker_side.before_step()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -646,8 +389,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             server, self._server = self._server, None
             if server is not None:
                 idle &= server.close()
-                if self._socket_path is not None:
-                    remove_socket(self._socket_path)
+                self._channel.release()
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.close(store_idle=idle)

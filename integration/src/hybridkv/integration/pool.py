@@ -59,7 +59,8 @@ class Pool:
 
     store: Store
     master: MasterProcess | None = None
-    # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see `granularity_for`.
+    # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see
+    # `transfer_mode.granularity`.
     rdma: bool = False
 
     def close(self, store_idle: bool = True) -> None:

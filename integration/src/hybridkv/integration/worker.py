@@ -1,29 +1,28 @@
-"""Worker-side: lay out each group's objects over vLLM's tensors and move blocks.
+"""Worker-side: move each step's blocks between vLLM's caches and the pool.
 
-The worker owns the store client and a TransferEngine; how a step's transfers are issued
-is its `TransferStrategy` (whole blocks, or layer by layer). Saves may still be running
-when the forward returns; `barrier()` waits for them before the next step can reuse a
-block (vLLM may free and reallocate a saved block as soon as the next schedule, e.g. a
-block that left a sliding window or a superseded Mamba state).
+The worker owns the store client and a TransferEngine over the caches' entries (see
+`cache_layouts`); how a step's transfers are issued is its `TransferStrategy` (whole
+blocks, or layer by layer), where it stands in vLLM's step its `StepState`. Saves may
+still be running when the forward returns; `barrier()` waits for them before the next
+step can reuse a block (vLLM may free and reallocate a saved block as soon as the next
+schedule, e.g. a block that left a sliding window or a superseded Mamba state).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.kv_events import HeadStored
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
+from hybridkv.integration.step_state import StepState
 from hybridkv.integration.transfer_strategy import TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
-    CacheEntry,
     Event,
-    GroupLayout,
     Ticket,
     TransferEngine,
     TransferResult,
@@ -35,106 +34,6 @@ logger = logging.getLogger(__name__)
 # polling it this often (sleeping: the load gets the CPU).
 IDLE_LOAD_WAIT_S = 0.05
 IDLE_POLL_S = 0.001
-
-
-def tensor_entries(layer: int, name: str, tensor: Any, num_blocks: int) -> list[CacheEntry]:
-    """Cache entries of one layer's tensor(s); block-major layouts and K/V-split ones.
-
-    `[num_blocks, ...]`: one entry per tensor (attention on CPU, Mamba/conv state pages).
-    `[2, num_blocks, ...]`: separate K and V entries (FlashAttention-style layouts).
-    A list or tuple (several state tensors of one Mamba layer) gives one entry each.
-    A backend that splits each block into `r` kernel blocks (vLLM-Ascend for hybrid
-    models: 128-token kernel blocks) has `num_blocks * r` rows where `num_blocks` are
-    expected; block `b` is kernel blocks `b*r` to `b*r + r - 1` (vLLM's and vLLM-Ascend's
-    block tables map them so), moved together as one run when they lie back to back.
-    """
-    if isinstance(tensor, list | tuple):
-        return [
-            entry
-            for index, part in enumerate(tensor)
-            for entry in tensor_entries(layer, f"{name}#{index}", part, num_blocks)
-        ]
-    shape = tuple(tensor.shape)
-    whole = _by_block(tensor, num_blocks)
-    if whole is not None:
-        parts = [(name, whole)]
-    elif (
-        len(shape) >= 2 and shape[0] == 2 and (keys := _by_block(tensor[0], num_blocks)) is not None
-    ):
-        parts = [(f"{name}#k", keys), (f"{name}#v", _by_block(tensor[1], num_blocks))]
-    else:
-        raise ValueError(
-            f"KV cache tensor of {name} has shape {shape}: expected [{num_blocks}, ...] or "
-            f"[2, {num_blocks}, ...] (num_blocks first, or a multiple of it: kernel blocks)"
-        )
-    entries = []
-    for part_name, part in parts:
-        if not _one_run(part[0]):
-            raise ValueError(
-                f"{part_name}: a block's bytes are not one run of memory (shape "
-                f"{tuple(part.shape)}, strides {part.stride()})"
-            )
-        size = part.element_size()
-        entries.append(
-            CacheEntry(
-                layer=layer,
-                name=part_name,
-                base_ptr=part.data_ptr(),
-                block_bytes=part[0].numel() * size,
-                block_stride=part.stride(0) * size,
-                num_blocks=num_blocks,
-            )
-        )
-    return entries
-
-
-def _by_block(tensor: Any, num_blocks: int) -> Any:
-    """`tensor` with one row per block (kernel blocks grouped by block), or None."""
-    rows = tensor.shape[0] if tensor.dim() else 0
-    if rows == num_blocks:
-        return tensor
-    if rows > num_blocks and rows % num_blocks == 0:
-        return tensor.unflatten(0, (num_blocks, rows // num_blocks))
-    return None
-
-
-def _one_run(block: Any) -> bool:
-    """Whether a block's elements fill one run of memory, in any axis order (vLLM's LBNHC
-    views a block as [H, N, C] over memory ordered [N, H, C]: not `is_contiguous`, yet one
-    run, moved as it lies)."""
-    expected = 1
-    for size, stride in sorted(zip(block.shape, block.stride(), strict=True), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def build_layouts(
-    keys: KeySpace,
-    kv_caches: Mapping[str, Any],
-    layer_index: Mapping[str, int],
-    num_blocks: int,
-) -> list[GroupLayout]:
-    """One GroupLayout per plan group, entries from the real tensors of its layers."""
-    layouts = []
-    for group, plan in enumerate(keys.plan.groups):
-        if not plan.layer_names:
-            raise ValueError(
-                f"KV cache group {plan.vllm_group_id} has no layer on pipeline stage "
-                f"{keys.pp_rank}: HybridKVConnector needs every stage to hold layers of every "
-                "group (use fewer stages)"
-            )
-        missing = [name for name in plan.layer_names if name not in kv_caches]
-        if missing:
-            raise ValueError(f"KV cache group {plan.vllm_group_id}: no tensors for {missing}")
-        entries = [
-            entry
-            for name in plan.layer_names
-            for entry in tensor_entries(layer_index[name], name, kv_caches[name], num_blocks)
-        ]
-        layouts.append(GroupLayout(group, entries))
-    return layouts
 
 
 class WorkerSide:
@@ -187,10 +86,7 @@ class WorkerSide:
         # own load failed (vLLM recomputes them).
         self._unsaved: set[tuple[str, int, int]] = set()
         self._sync_loads: list[BlockTransfer] = []  # the step's loads before or in its forward
-        self._steps_scheduled_blind = 0  # coming steps vLLM scheduled before a failed load
-        self._loads_raised = False
-        self._loads_failed: bool | None = False  # None: the step's loads are not settled
-        self._step_open = False  # begun, not ended
+        self._step = StepState()
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
@@ -199,8 +95,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
         self._failed_keys: set[str] = set()
-        self._idle_step = False
-        self._generation = 0
 
     def _count(self, **values: float) -> None:
         self.counters.add(**values)
@@ -223,7 +117,7 @@ class WorkerSide:
             if writing and ref.stored is not None:
                 # One writer per head of each stage: the scheduler counts them all.
                 writer = self.keys.pp_rank * heads.storing + head
-                self._announce[key] = HeadStored(writer, ref.stored, self._generation)
+                self._announce[key] = HeadStored(writer, ref.stored, self._step.generation)
         return transfers if writing else self._spread(transfers)
 
     def _spread(self, loads: list[BlockTransfer]) -> list[BlockTransfer]:
@@ -298,17 +192,17 @@ class WorkerSide:
         written: end the last step if vLLM did not (its V1 runner defers `wait_for_save`
         past the draft model's forward, which a pipeline stage before the last never
         runs), then settle the saves still reading blocks."""
-        if self._step_open:
+        if self._step.open:
             self.end_step()
         self.barrier()
 
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """The step's metadata is bound, the forward not started: hand the strategy its plan."""
         self.barrier()
-        self._idle_step = meta.idle
-        if meta.generation != self._generation:  # the scheduler reset the cache
+        self._step.idle = meta.idle
+        if meta.generation != self._step.generation:  # the scheduler reset the cache
             self.engine.release_all()
-            self._generation = meta.generation
+            self._step.generation = meta.generation
         if meta.finished:  # (before a new request reusing one's id claims its keys)
             self.engine.release(sorted(meta.finished))
         sync: list[BlockTransfer] = []
@@ -322,10 +216,9 @@ class WorkerSide:
             else:
                 sync.extend(loads)
             saves.extend(self._transfers(request.request_id, request.saves, writing=True))
-        if self._steps_scheduled_blind:
+        if self._step.take_blind_step():
             # vLLM scheduled this step before it learnt of the failed load: requests it
             # rolls back compute over the failed blocks again.
-            self._steps_scheduled_blind -= 1
             self._leave_unsaved(saves)
             for save in saves:
                 self._announce.pop(save.key, None)
@@ -333,9 +226,7 @@ class WorkerSide:
         self._count(loaded_blocks=loaded_blocks)
         self._step_saves = saves
         self._sync_loads = sync
-        self._loads_raised = False
-        self._loads_failed = None
-        self._step_open = True
+        self._step.begin()
         if sync:
             # Work vLLM queued on the device (e.g. zeroing new blocks) lands before our writes.
             fence = self._new_event()
@@ -350,7 +241,7 @@ class WorkerSide:
         except Exception:
             logger.exception("hybridkv: starting a step with %d loads failed", len(sync))
             if sync:  # the forward runs over blocks that were not loaded: reported at its end
-                self._loads_raised = True
+                self._step.lose_loads()
                 self.strategy.discard_saves()
 
     def start_async_loads(self) -> None:
@@ -373,19 +264,19 @@ class WorkerSide:
         """Wait for the step's loads and record their failures, once per step (vLLM asks
         for failed blocks before `wait_for_save` when it defers that call past a draft
         model's forward); whether the step computed over a failed load on any rank."""
-        if self._loads_failed is None:
+        if self._step.unsettled:
             loaded = self.strategy.finish_loads()
-            failed = self._loads_raised or any(loaded.failed_blocks.values())
+            failed = self._step.loads_raised or any(loaded.failed_blocks.values())
             loads, self._sync_loads = self._sync_loads, []
             if loads and self._any_rank is not None:
                 failed = self._any_rank(failed)  # every rank, every step that loads
             # A begin that raised lost every load, whatever the strategy made of them (the
             # client raised: no object is to blame).
             self._record_sync_load(
-                all_failed(loads, loaded.blamed_keys) if self._loads_raised else loaded, loads
+                all_failed(loads, loaded.blamed_keys) if self._step.loads_raised else loaded, loads
             )
-            self._loads_failed = failed
-        return self._loads_failed
+            self._step.settle(failed)
+        return bool(self._step.loads_failed)
 
     def end_step(self) -> None:
         """vLLM's `wait_for_save`: settle this step's loads, issue its saves.
@@ -394,7 +285,7 @@ class WorkerSide:
         block it completed after them: the strategy saves none of those (see
         `TransferStrategy`), and they go back to the scheduler to be saved once vLLM
         has recomputed them."""
-        self._step_open = False
+        self._step.end()
         failed = self.settle_loads()
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
@@ -409,7 +300,7 @@ class WorkerSide:
                 self._count(failed_save_blocks=len(saves))
                 saves = []
         if failed:
-            self._steps_scheduled_blind = self._steps_ahead
+            self._step.blind_for(self._steps_ahead)
             self._leave_unsaved(saves)
             announce = {}  # what committed before the failure is announced when saved again
             saves = []
@@ -433,7 +324,7 @@ class WorkerSide:
 
         vLLM's `finished_req_ids` of the step are not released here: `begin_step` did (the
         metadata's `finished`), and a new request may own keys under one of those ids since."""
-        if self._idle_step:
+        if self._step.idle:
             self._wait_for_a_load()
         done = {rid for rid, (ticket, _) in self._async_loads.items() if ticket.done}
         for request_id in done:
@@ -499,5 +390,6 @@ class WorkerSide:
         self._async_loads.clear()
         self._async_waiting.clear()
         self._unstarted.clear()
-        self._sync_loads, self._loads_failed = [], False  # nothing left to settle
+        self._sync_loads = []
+        self._step.settle(False)  # nothing left to settle
         self.engine.close()

@@ -1,6 +1,7 @@
 """Store-agnostic cache-hit boundary decisions across hybrid KV cache groups."""
 
-from hybridkv.coordinator._coordinator import Coordinator, Hit, Readable
+from hybridkv.coordinator._columns import Readable
+from hybridkv.coordinator._coordinator import Coordinator, Hit
 from hybridkv.coordinator._kinds import (
     ChunkedLocal,
     FullAttention,

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import heapq
 import math
-import sys
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
-from typing import Protocol, TypeAlias
 
+from hybridkv.coordinator._columns import Column, Descending, Readable, columns_of
 from hybridkv.coordinator._kinds import GroupKind
-from hybridkv.coordinator._readable import Masks, is_bool, require_bools
-
-#: Per group, block-indexed readability (indices past the end are unreadable), or
-#: `readable(group, block) -> bool`.
-Readable: TypeAlias = Sequence[Sequence[bool]] | Callable[[int, int], bool]
+from hybridkv.coordinator._readable import Masks
+from hybridkv.coordinator._tails import (
+    ends_inside_every_block,
+    last_tail,
+    search_tails,
+    tails_in_group,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,71 +30,6 @@ class Hit:
 
     tokens: int
     load_masks: Masks
-
-
-class _Column(Protocol):
-    def first_miss(self, first: int, stop: int) -> int | None: ...
-
-
-class _ListColumn:
-    """Readability already in hand: `list.index` scans in C, fast enough for 131k tokens."""
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values: list[bool]) -> None:
-        self._values = values
-
-    def first_miss(self, first: int, stop: int) -> int | None:
-        try:
-            return self._values.index(False, first, stop)
-        except ValueError:
-            return None
-
-
-class _CallableColumn:
-    """Readability asked block by block, each block at most once, only where it matters."""
-
-    __slots__ = ("_answers", "_group", "_readable")
-
-    def __init__(self, readable: Callable[[int, int], bool], group: int) -> None:
-        self._readable = readable
-        self._group = group
-        self._answers: dict[int, bool] = {}
-
-    def first_miss(self, first: int, stop: int) -> int | None:
-        for block in range(first, stop):
-            answer = self._answers.get(block)
-            if answer is None:
-                answer = self._readable(self._group, block)
-                if not is_bool(answer):
-                    raise ValueError(
-                        f"readable({self._group}, {block}) must return True or False, "
-                        f"got {answer!r}"
-                    )
-                answer = self._answers[block] = bool(answer)
-            if not answer:
-                return block
-        return None
-
-
-class _Descending:
-    """A column asked about block ranges whose ends never grow (tail boundaries, largest
-    first): blocks already found readable below the current end are not scanned again, so
-    a search scans each block about once, not once per boundary."""
-
-    __slots__ = ("_column", "_known")
-
-    def __init__(self, column: _Column) -> None:
-        self._column = column
-        self._known = sys.maxsize  # blocks [_known, the last end) are readable
-
-    def first_miss(self, first: int, stop: int) -> int | None:
-        if first >= stop:
-            return None
-        miss = self._column.first_miss(first, min(stop, self._known))
-        if miss is None:
-            self._known = min(self._known, first)
-        return miss
 
 
 def _require_count(name: str, value: object) -> int:
@@ -279,7 +213,11 @@ class Coordinator:
         aligned = range(self._alignment, top + 1, self._alignment)
         return tuple(
             self._reach_mask(
-                group, heapq.merge(aligned, self._tails(group, unit, max_tokens)), known
+                group,
+                heapq.merge(
+                    aligned, tails_in_group(self._groups, self._alignment, group, unit, max_tokens)
+                ),
+                known,
             )
             for group in range(len(self._groups))
         )
@@ -308,8 +246,8 @@ class Coordinator:
             top,
             self.max_boundary(max(0, num_tokens - 1), num_tokens),
             # The tails a resend (capped below the prompt's end) and an extension find.
-            self._last_tail(unit, tail_stop - 1),
-            self._last_tail(unit, tail_stop),
+            last_tail(self._groups, unit, tail_stop - 1),
+            last_tail(self._groups, unit, tail_stop),
         )
         return tuple(
             self._reach_mask(
@@ -334,8 +272,7 @@ class Coordinator:
         group keeps its partial block, a recurrent state its snapshot after exactly
         `tokens` tokens.
         """
-        tokens = _require_count("tokens", tokens)
-        return tokens > 0 and all(tokens % group.block_size for group in self._groups)
+        return ends_inside_every_block(self._groups, _require_count("tokens", tokens))
 
     def tail_boundaries(
         self, hit: int, max_tokens: int, unit: int, readable: Readable, limit: int
@@ -361,31 +298,8 @@ class Coordinator:
             raise ValueError(f"hit {hit} is not a multiple of the alignment {self._alignment}")
         if not self._tail_unit(unit):
             return []
-        columns = [_Descending(column) for column in self._columns(max_tokens, readable)]
-        boundaries: list[int] = []
-        tokens = max_tokens // unit * unit
-        while tokens > hit and len(boundaries) < limit:
-            if not self.is_tail_boundary(tokens):
-                tokens -= unit
-                continue
-            below = self._below_tail_miss(tokens, columns, unit)
-            if below is None:
-                boundaries.append(tokens)
-                tokens -= unit
-            else:
-                tokens = below
-        return boundaries
-
-    def _below_tail_miss(self, tokens: int, columns: Sequence[_Column], unit: int) -> int | None:
-        """None if a tail at `tokens` has every whole block it needs readable, else the
-        largest multiple of `unit` below it that could: needs only slide left as the
-        boundary shrinks, so every boundary whose partial block lies past a miss needs it."""
-        for kind, column in zip(self._groups, columns, strict=True):
-            block_size = kind.block_size
-            miss = column.first_miss(kind.first_needed(tokens), tokens // block_size)
-            if miss is not None:
-                return ((miss + 1) * block_size - 1) // unit * unit
-        return None
+        columns = [Descending(column) for column in self._columns(max_tokens, readable)]
+        return search_tails(self._groups, columns, hit, max_tokens, unit, limit)
 
     def tail_hit(self, tokens: int) -> Hit:
         """The hit of a prefix cut mid-block: per group the blocks needed at `tokens`, the
@@ -416,7 +330,7 @@ class Coordinator:
         kind = self._groups[group]
         return kind.first_needed(tokens), tokens // kind.block_size + self._eagle[group]
 
-    def _largest_readable(self, group: int, tokens: int, column: _Column) -> int:
+    def _largest_readable(self, group: int, tokens: int, column: Column) -> int:
         """Largest aligned boundary <= `tokens` at which this group alone can hit."""
         block_size = self._groups[group].block_size
         extra = self._eagle[group]
@@ -428,30 +342,12 @@ class Coordinator:
             tokens = max(0, (miss - extra) * block_size // self._alignment * self._alignment)
         return 0
 
-    def _columns(self, top: int, readable: Readable) -> list[_Column]:
-        if callable(readable):
-            return [_CallableColumn(readable, group) for group in range(len(self._groups))]
-        if not isinstance(readable, Sequence) or isinstance(readable, (str, bytes, bytearray)):
-            raise ValueError(
-                "readable must be a callable or one sequence of bools per group, "
-                f"got a {type(readable).__name__}"
-            )
-        if len(readable) != len(self._groups):
-            raise ValueError(f"readable has {len(readable)} entries for {len(self._groups)} groups")
-        columns: list[_Column] = []
-        for group, (kind, given) in enumerate(zip(self._groups, readable, strict=True)):
-            # Unordered (a set of indices, a mapping) would be read by iteration order.
-            unordered = isinstance(given, (str, bytes, bytearray, AbstractSet, Mapping))
-            if unordered or not isinstance(given, Iterable):
-                raise ValueError(
-                    f"readable[{group}] must be a sequence of bools, got a {type(given).__name__}"
-                )
-            length = top // kind.block_size + self._eagle[group] if top else 0
-            values = list(islice(given, length))
-            require_bools(f"readable[{group}]", values)
-            values.extend([False] * (length - len(values)))
-            columns.append(_ListColumn(values))
-        return columns
+    def _columns(self, top: int, readable: Readable) -> list[Column]:
+        reach = [
+            top // kind.block_size + extra if top else 0
+            for kind, extra in zip(self._groups, self._eagle, strict=True)
+        ]
+        return columns_of(readable, reach)
 
     def _boundaries(
         self, group: int, top: int, replays: Iterable[int], unit: int, tail_stop: int
@@ -461,7 +357,10 @@ class Coordinator:
         one and the `replays`)."""
         step = self._alignment
         if self._retention == 1 or not self._groups[group].sparse:
-            return heapq.merge(range(step, top + 1, step), self._tails(group, unit, tail_stop))
+            return heapq.merge(
+                range(step, top + 1, step),
+                tails_in_group(self._groups, self._alignment, group, unit, tail_stop),
+            )
         retained = set(range(step * self._retention, top + 1, step * self._retention))
         retained.update(replay for replay in replays if replay > 0)
         return sorted(retained)
@@ -475,35 +374,7 @@ class Coordinator:
         return unit
 
     def _tails(self, group: int, unit: int, stop: int) -> list[int]:
-        """Ascending tails (multiples of `unit` ending inside a block of every group) up to
-        `stop` whose whole blocks in `group` no aligned boundary needs too.
-
-        Needs only slide right, so a tail in a block that an aligned boundary starts needs
-        a part of what that boundary does, and in each other block the block's first tail
-        needs all its later ones do: only those first tails are left, none at all where
-        the group's blocks are the alignment.
-        """
-        if not unit:
-            return []
-        size = self._groups[group].block_size
-        found = []
-        for aligned in range(0, stop, self._alignment):
-            for start in range(aligned + size, min(aligned + self._alignment, stop), size):
-                tokens = (start // unit + 1) * unit
-                while tokens < start + size and not self.is_tail_boundary(tokens):
-                    tokens += unit
-                if tokens < start + size and tokens <= stop:
-                    found.append(tokens)
-        return found
-
-    def _last_tail(self, unit: int, stop: int) -> int:
-        """The largest tail up to `stop` (0: none)."""
-        if not unit:
-            return 0
-        tokens = max(0, stop) // unit * unit
-        while tokens > 0 and not self.is_tail_boundary(tokens):
-            tokens -= unit
-        return tokens
+        return tails_in_group(self._groups, self._alignment, group, unit, stop)
 
     def _reach_mask(self, group: int, boundaries: Iterable[int], tokens: int) -> tuple[bool, ...]:
         """Union of the reach of `boundaries` over the full blocks of `tokens` tokens (a

@@ -1,10 +1,12 @@
 """What each kind of KV cache group needs at a cache-hit boundary.
 
-Every kind answers the same two questions, so the coordinator never asks which kind it
-holds: the earliest token the next one depends on (the needs always end at the block
-holding the boundary's last token) and whether the kind takes part in EAGLE's dropped
-block. Needs only ever slide right as the boundary grows, which is what lets the
-coordinator skip past a miss and leave out tails another boundary covers: precisely,
+Every kind answers the same questions, so neither the coordinator nor a scheduler using
+it asks which kind it holds (as vLLM's single-type managers do): the earliest token the
+next one depends on (the needs always end at the block holding the boundary's last
+token), whether the kind takes part in EAGLE's dropped block, whether its blocks stay
+while a request runs, and whether a block holds one recurrent state. Needs only ever
+slide right as the boundary grows, which is what lets the coordinator skip past a miss
+and leave out tails another boundary covers: precisely,
 `min(first_needed(T), T // block_size)` never decreases as T grows (`first_needed` alone
 may, past a boundary that needs nothing, as at a chunk's start).
 """
@@ -39,6 +41,13 @@ class GroupKind(ABC):
     #: The group is attention that EAGLE re-drafts: its matched run must reach one block
     #: past the hit, which vLLM then drops and recomputes.
     drops_eagle_block: ClassVar[bool]
+    #: vLLM keeps every block of the group while the request runs, so a block passed
+    #: over can still be stored later (windows and states behind the boundary are freed).
+    keeps_passed_blocks: ClassVar[bool]
+    #: A block holds one recurrent state, the prefix's summary at a single position,
+    #: written in place as a chunk runs: a chunk crossing its end leaves the state further
+    #: on, not at the end (Mamba "align" snapshots).
+    holds_state: ClassVar[bool]
 
     def __post_init__(self) -> None:
         _require_positive(type(self).__name__, "block_size", self.block_size)
@@ -72,6 +81,8 @@ class FullAttention(GroupKind):
 
     sparse: ClassVar[bool] = False
     drops_eagle_block: ClassVar[bool] = True
+    keeps_passed_blocks: ClassVar[bool] = True
+    holds_state: ClassVar[bool] = False
 
     def first_token_needed(self, tokens: int) -> int:
         return 0
@@ -90,6 +101,8 @@ class SlidingWindow(GroupKind):
 
     sparse: ClassVar[bool] = True
     drops_eagle_block: ClassVar[bool] = True
+    keeps_passed_blocks: ClassVar[bool] = False
+    holds_state: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         GroupKind.__post_init__(self)
@@ -111,6 +124,8 @@ class ChunkedLocal(GroupKind):
 
     sparse: ClassVar[bool] = False
     drops_eagle_block: ClassVar[bool] = True
+    keeps_passed_blocks: ClassVar[bool] = False
+    holds_state: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         GroupKind.__post_init__(self)
@@ -134,6 +149,8 @@ class RecurrentState(GroupKind):
 
     sparse: ClassVar[bool] = True
     drops_eagle_block: ClassVar[bool] = False
+    keeps_passed_blocks: ClassVar[bool] = False
+    holds_state: ClassVar[bool] = True
 
     def first_token_needed(self, tokens: int) -> int:
         return tokens - 1

@@ -36,7 +36,7 @@ REQUIRED_METHODS = (
 )
 
 
-def _mooncake_version() -> str:
+def mooncake_version() -> str:
     for distribution in (
         "mooncake-transfer-engine-non-cuda",
         "mooncake-transfer-engine",
@@ -60,7 +60,7 @@ def load_client_class() -> Any:
     missing = [name for name in REQUIRED_METHODS if not hasattr(MooncakeDistributedStore, name)]
     if missing:
         raise UnsupportedClient(
-            f"{_mooncake_version()} lacks {', '.join(missing)}; hybridkv needs the "
+            f"{mooncake_version()} lacks {', '.join(missing)}; hybridkv needs the "
             "range/session API (mooncake-transfer-engine >= 0.3.13)"
         )
     return MooncakeDistributedStore

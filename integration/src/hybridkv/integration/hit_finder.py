@@ -1,0 +1,187 @@
+"""How much of a prompt the pool holds: the pool queries of a lookup, and the hit.
+
+The hit is the coordinator's: it asks which blocks any hit could need (`lookup_mask`),
+learns their readability in ONE batched query, and picks the largest boundary every group
+can serve (`find_hit`). Where vLLM's own prefix cache hits inside blocks, further queries
+ask whether prompt tails (partial objects, named by the prefix's hash) extend that
+aligned hit. Every query about many keys goes through `_every_head_readable`: the one
+place that asks the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from itertools import groupby
+from operator import itemgetter
+from typing import Any
+
+from hybridkv.coordinator import Coordinator, Hit, Masks, marked_blocks, scatter_readable
+from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.quarantine import Quarantine
+from hybridkv.integration.tracked_requests import TrackedRequest
+
+logger = logging.getLogger(__name__)
+
+# Tail boundaries a lookup asks about: the largest whose whole blocks are readable (and
+# those inside the block after the aligned hit besides).
+MAX_TAIL_CANDIDATES = 512
+
+Query = Callable[[Sequence[str]], "list[bool] | None"]
+
+
+class HitFinder:
+    """Looks requests up in the pool; counts lookups, failed ones and quarantined keys."""
+
+    def __init__(
+        self,
+        keys: KeySpace,
+        coordinator: Coordinator,
+        query: Query,
+        quarantine: Quarantine,
+        tail_unit: int,
+    ) -> None:
+        """`query`: the pool's answer per key (None: no answer). `quarantine`: keys whose
+        objects failed to load, absent while held. `tail_unit`: vLLM's hash unit where its
+        prefix cache hits inside blocks (prompt tails are looked up at its multiples); 0:
+        whole blocks only."""
+        self._keys = keys
+        self.query = query  # (a test swaps it for a pool that stops answering)
+        self.quarantine = quarantine
+        self._coordinator = coordinator
+        self._plan = keys.plan
+        self._tail_unit = tail_unit
+        self._smallest_block = min(group.block_size for group in self._plan.groups)
+        self.lookups = 0
+        self.failed_lookups = 0  # lookups whose query got no answer: counted as misses
+        self.quarantined_keys = 0
+
+    def worth_asking(self, request: Any, num_computed: int) -> bool:
+        """Whether any hit could reach past vLLM's own `num_computed` tokens. vLLM
+        computes at least the last token, but matches EAGLE's dropped block among every
+        full block of the request."""
+        known = request.num_tokens
+        max_tokens = known - 1
+        top = self._coordinator.max_boundary(max_tokens, known)
+        unit = self._tail_unit
+        reach = max_tokens // unit * unit if unit else top
+        return max(top, reach) > num_computed
+
+    def find(
+        self, request: Any, tracked: TrackedRequest, num_computed: int
+    ) -> tuple[Hit, Hit] | None:
+        """(the hit, the aligned hit it extends by a prompt tail, or itself); None if the
+        pool gave no answer."""
+        known = request.num_tokens
+        max_tokens = known - 1
+        tracked.hashes.cover(request.all_token_ids, known)
+        mask = self._coordinator.lookup_mask(max_tokens, known, self._tail_unit)
+        readable = self._readable(tracked, mask, num_computed)
+        if readable is None:
+            return None
+        aligned = hit = self._coordinator.find_hit(max_tokens, readable, known)
+        if self._tail_unit:
+            hit = self._extend_by_tail(tracked, hit, readable, max_tokens, num_computed)
+        return hit, aligned
+
+    def quarantine_failed(self, keys: Sequence[str]) -> None:
+        """Pool objects that failed to load count as absent while quarantined."""
+        if not keys:
+            return
+        logger.warning(
+            "hybridkv: %d pool objects failed to load; lookups skip them for %g s",
+            len(keys),
+            self.quarantine.seconds,
+        )
+        # A key still held failed again (a read looked up before its first failure was
+        # reported): one object, counted once.
+        self.quarantined_keys += self.quarantine.add(keys)
+
+    def _readable(self, tracked: TrackedRequest, mask: Masks, local: int) -> Masks | None:
+        """Readability of the masked blocks; blocks vLLM already holds count as readable
+        (and are not asked about)."""
+        groups = self._plan.groups
+        asked = tuple(
+            tuple(
+                marked and (block + 1) * plan.block_size > local
+                for block, marked in enumerate(marks)
+            )
+            for plan, marks in zip(groups, mask, strict=True)
+        )
+        batches: list[tuple[int, list[bytes]]] = []
+        for group, blocks in groupby(marked_blocks(asked), key=itemgetter(0)):
+            hashes = tracked.hashes.for_group(groups[group].block_size)
+            batches.append((group, [hashes[block] for _, block in blocks]))
+        self.lookups += 1
+        answers = self._every_head_readable(batches)
+        if answers is None:
+            self.failed_lookups += 1
+            return None
+        held = scatter_readable(asked, [ok for column in answers for ok in column])
+        return tuple(
+            tuple(ok or (block + 1) * plan.block_size <= local for block, ok in enumerate(column))
+            for plan, column in zip(groups, held, strict=True)
+        )
+
+    def _extend_by_tail(
+        self, tracked: TrackedRequest, hit: Hit, readable: Masks, max_tokens: int, local: int
+    ) -> Hit:
+        """The largest prompt tail past `hit` (and vLLM's own `local` hit) whose whole
+        blocks are `readable` and whose partial objects every group has.
+
+        Tails lie where stored prompts ended, anywhere below the end of the readable
+        blocks. A first query asks one group's partial objects of every candidate, a
+        second the other groups' of the candidates the first found.
+        """
+        unit = self._tail_unit
+        alignment = self._coordinator.alignment
+        floor = max(hit.tokens, local // alignment * alignment)
+        near = min(max_tokens, floor + self._smallest_block - 1)
+        windows = ((max_tokens, MAX_TAIL_CANDIDATES), (near, -(-self._smallest_block // unit)))
+        candidates = {
+            tokens
+            for stop, limit in windows
+            for tokens in self._coordinator.tail_boundaries(floor, stop, unit, readable, limit)
+            if tokens > local
+        }
+        tails = sorted(candidates, reverse=True)
+        token_ids = tracked.request.all_token_ids
+        hashes = [tracked.hashes.prefix(token_ids, tokens) for tokens in tails]
+        keeping = [self._coordinator.partial_groups(tokens) for tokens in tails]
+        probes = [(groups[0], [h]) for groups, h in zip(keeping, hashes, strict=True) if groups]
+        answers = self._every_head_readable(probes) if probes else []
+        if answers is None:
+            return hit
+        probed = iter(answers)
+        found = [i for i, groups in enumerate(keeping) if not groups or next(probed)[0]]
+        rest = [(group, [hashes[i]]) for i in found for group in keeping[i][1:]]
+        answers = self._every_head_readable(rest) if rest else []
+        if answers is None:
+            return hit
+        others = iter(answers)
+        for i in found:  # largest first
+            if all([next(others)[0] for _ in keeping[i][1:]]):  # a list: take every answer
+                return self._coordinator.tail_hit(tails[i])
+        return hit
+
+    def _every_head_readable(
+        self, batches: Sequence[tuple[int, Sequence[bytes]]]
+    ) -> list[list[bool]] | None:
+        """Per (plan group, block hashes) batch, whether each hash's objects are readable,
+        learnt in ONE query (None if it failed): usable only if EVERY storing head's is."""
+        keys: list[str] = []
+        for group, hashes in batches:
+            keys.extend(self._keys.keys(group, hashes, self._plan.groups[group].heads.heads))
+        answers = self.query(keys) if keys else []
+        if answers is None:
+            return None
+        held = self.quarantine.holding(keys)
+        answers = [ok and not out for ok, out in zip(answers, held, strict=True)]
+        readable: list[list[bool]] = []
+        position = 0
+        for group, hashes in batches:
+            heads = self._plan.groups[group].heads.storing * self._keys.stages
+            stop = position + heads * len(hashes)
+            readable.append([all(answers[at : at + heads]) for at in range(position, stop, heads)])
+            position = stop
+        return readable
