@@ -23,10 +23,13 @@ from hybridkv.integration.lookup import (
     claim_socket,
     is_private,
     lookup_secret,
-    make_private,
     remove_socket,
     socket_path,
+    wire,
 )
+from hybridkv.integration.lookup import client as lookup_client
+from hybridkv.integration.lookup.channel import make_private
+from hybridkv.integration.lookup.wire import encode
 from hybridkv.transport.testing import free_ports
 
 
@@ -536,7 +539,7 @@ def test_a_lookup_past_the_caps_goes_out_in_parts_within_them(
     finally:
         client.close()
         server.close()
-    monkeypatch.setattr(lookup, "MAX_REQUEST_BYTES", 1000)  # the server's socket too
+    monkeypatch.setattr(wire, "MAX_REQUEST_BYTES", 1000)  # the server's socket too
     asked.clear()
     keys = [f"yes-{i:020d}" for i in range(100)]  # ~2.6 kB in one request
     server = LookupServer(counted)
@@ -561,7 +564,7 @@ def test_with_a_secret_only_its_holders_ask_and_answer(
     """On a fixed port any local user could look keys up and reset the pool: with a
     secret, a peer without it (or with another) completes no handshake: it gets no answer,
     removes nothing, and cannot answer in the server's place."""
-    monkeypatch.setattr(lookup, "REMOVAL_TIMEOUT_MS", 300)
+    monkeypatch.setattr(lookup_client, "REMOVAL_TIMEOUT_MS", 300)
     removal = Removal()
     address = f"tcp://{LOOPBACK}:{free_ports(1)}"
     server = LookupServer(_readable, address, remove=removal, secret=SECRET)
@@ -575,7 +578,7 @@ def test_with_a_secret_only_its_holders_ask_and_answer(
         for stranger in strangers:
             assert stranger.query(["yes"]) is None
             assert stranger.remove() is None
-        assert _raw_request(address, lookup._encode(lookup.RemoveRequest()), timeout_ms=300) is None
+        assert _raw_request(address, encode(lookup.RemoveRequest()), timeout_ms=300) is None
         assert removal.calls == 0
         assert holder.remove() == 20
         assert removal.calls == 1

@@ -9,7 +9,7 @@ import pytest
 
 from hybridkv.integration import connector as connector_module
 from hybridkv.integration.connector import HybridKVConnector
-from hybridkv.integration.lookup_channel import LookupChannel
+from hybridkv.integration.lookup import LookupChannel
 from hybridkv.integration.pool import Pool
 
 

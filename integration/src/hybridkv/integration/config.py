@@ -84,7 +84,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     consumer_is_to_load: bool = False
     # Also store the blocks that generated tokens complete, not only the prompt's.
     save_decode_cache: bool = False
-    # 0: worker rank 0 listens on a Unix socket only this user can reach (see lookup.py).
+    # 0: worker rank 0 listens on a Unix socket only this user can reach (see lookup/channel.py).
     lookup_rpc_port: Port = 0
     # AscendStoreConnector's older name for lookup_rpc_port.
     mooncake_rpc_port: Port = 0

@@ -28,8 +28,7 @@ from hybridkv.integration.config import ConnectorConfig, parse_extra_config
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.kv_events import PoolAnnouncer, StoredEvents
 from hybridkv.integration.logs import follow_vllm_logging
-from hybridkv.integration.lookup import LookupClient, LookupServer
-from hybridkv.integration.lookup_channel import LookupChannel
+from hybridkv.integration.lookup import LookupChannel, LookupClient, LookupServer
 from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
