@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["keys", "coordinator", "transport", "integration", "e2e", "lint"]
+nox.options.sessions = ["keys", "coordinator", "transport", "integration", "e2e", "lint", "wheels"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"  # the Mooncake wheels are built for CPython 3.11
