@@ -130,12 +130,12 @@ def _fingerprint(checkpoint: str, stats: tuple[tuple[str, int, int, int], ...]) 
     than once (each connector role, each TP rank), and a rewritten file is read again."""
     digest = hashlib.blake2b(digest_size=16)
     root = Path(checkpoint)
-    for name, *_ in stats:
+    for name, size, *_ in stats:
         path = Path(name)
         relative = path.name if path == root else str(path.relative_to(root))
-        digest.update(json.dumps([relative, path.stat().st_size]).encode())
+        digest.update(json.dumps([relative, size]).encode())
         with path.open("rb") as file:
-            for chunk in _samples(file, path):
+            for chunk in _samples(file, path, size):
                 digest.update(len(chunk).to_bytes(8, "little"))
                 digest.update(chunk)
     return digest.hexdigest()
@@ -154,13 +154,13 @@ def _weight_files(checkpoint: Path) -> list[Path]:
     return [*weights, *(path for path in entries if path.name in CONFIG_FILES)]
 
 
-def _samples(file: Any, path: Path) -> Iterator[bytes]:
+def _samples(file: Any, path: Path, size: int) -> Iterator[bytes]:
     if path.suffix == SAFETENSORS:
         yield from _safetensors_samples(file, path)
     elif path.name in CONFIG_FILES:
         yield file.read()
     else:
-        yield from _spread_samples(file, path.stat().st_size)
+        yield from _spread_samples(file, size)
 
 
 def _safetensors_samples(file: Any, path: Path) -> Iterator[bytes]:
