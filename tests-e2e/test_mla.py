@@ -50,7 +50,11 @@ class MlaRun:
     outputs: dict[str, dict[str, PromptResult]]  # by instance, then prompt
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+# CI runs one rank; two ranks of an MLA model (the latent replicated) run with `-m extended`,
+# as tensor parallelism itself is covered by test_tensor_parallel.py.
+@pytest.fixture(
+    scope="module", params=[1, pytest.param(2, marks=pytest.mark.extended)], ids=["tp1", "tp2"]
+)
 def mla(
     request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
 ) -> MlaRun:

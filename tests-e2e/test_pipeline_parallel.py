@@ -26,8 +26,6 @@ from scenario import (
     assert_hit_but_changed,
     assert_hit_like_cold,
     keys_added_by_step,
-    outcome,
-    run_each,
     thread_binding,
 )
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
@@ -36,6 +34,7 @@ from hybridkv.keys import parse_key
 
 STAGES = 2
 MODELS = ["llama", "gemma3", "lfm2"]
+EXTENDED = {"llama", "gemma3"}  # CI runs the hybrid one: state + full attention, both stages
 PROMPTS = {
     "clean": tinymodels.prompt_ids(60, 346),  # hit 320: ten blocks, five chunks
     "second_stage_corrupted": tinymodels.prompt_ids(61, 257),  # hit 256
@@ -87,38 +86,36 @@ def _run(pool: Pool, models: Path, runs: Path, model: str) -> PipelineRun:
     )
 
 
-@pytest.fixture(scope="module")
-def runs(
-    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
-) -> dict[str, PipelineRun | Exception]:
-    return run_each(MODELS, lambda model: _run(pool, models_dir, runs_dir, model))
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(model, marks=[pytest.mark.extended] if model in EXTENDED else [])
+        for model in MODELS
+    ],
+)
+def run(
+    request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
+) -> PipelineRun:
+    return _run(pool, models_dir, runs_dir, request.param)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_both_stages_load_their_layers_with_identical_output(
-    runs: dict[str, PipelineRun | Exception], model: str
-) -> None:
-    run = outcome(runs, model)
+def test_both_stages_load_their_layers_with_identical_output(run: PipelineRun) -> None:
     assert_hit_like_cold(run.reader["clean"], run.cold["clean"], EXPECTED_HITS["clean"])
 
 
-@pytest.mark.parametrize("model", MODELS)
 def test_each_stage_stores_every_block_of_its_groups(
-    runs: dict[str, PipelineRun | Exception], model: str
+    run: PipelineRun, request: pytest.FixtureRequest
 ) -> None:
-    keys = [parse_key(key) for key in outcome(runs, model).keys["clean"]]
+    keys = [parse_key(key) for key in run.keys["clean"]]
     by_stage: dict[int | None, set[tuple[int, str]]] = {}
     for key in keys:
         by_stage.setdefault(key.pp_rank, set()).add((key.group, key.block_hash))
     assert set(by_stage) == {0, 1}
     assert by_stage[0] == by_stage[1]  # the same blocks of the same groups, one per stage
-    assert {group for group, _ in by_stage[0]} == ({0} if model == "llama" else {0, 1})
+    groups = {0} if request.node.callspec.params["run"] == "llama" else {0, 1}
+    assert {group for group, _ in by_stage[0]} == groups
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_second_stage_objects_are_the_ones_it_loads(
-    runs: dict[str, PipelineRun | Exception], model: str
-) -> None:
-    run = outcome(runs, model)
+def test_second_stage_objects_are_the_ones_it_loads(run: PipelineRun) -> None:
     name = "second_stage_corrupted"
     assert_hit_but_changed(run.reader[name], run.cold[name], EXPECTED_HITS[name])

@@ -52,7 +52,8 @@ MODES: dict[str, dict[str, object]] = {
 # engine in-process and in its own process; the conv-state model, the hardest layout, also
 # runs each mode against itself, and the device granularities against the staged modes.
 # Every case is a writer process and a reader process (~25 s each on 2 cores), so the
-# list holds only what adds coverage.
+# list holds only what adds coverage. The cases outside EXTENDED (what CI runs) still
+# cover every model, every mode written and read, and both process layouts.
 CASES: list[Case] = [
     *((model, "whole", "layerwise", "1") for model in MODELS),
     *((model, "layerwise", "whole", "0") for model in MODELS),
@@ -61,11 +62,25 @@ CASES: list[Case] = [
     ("lfm2", "ranged", "group", "0"),
     ("lfm2", "group", "ranged", "1"),
 ]
+EXTENDED: set[Case] = {
+    ("llama", "whole", "layerwise", "1"),
+    ("lfm2", "whole", "layerwise", "1"),
+    ("gemma3", "layerwise", "whole", "0"),
+    ("lfm2", "layerwise", "layerwise", "1"),
+    ("lfm2", "whole", "whole", "0"),
+}
 CASE_ARGS = ("model", "writer", "reader", "multiproc")
 
 
 def _params(cases: list[Case]) -> list[object]:
-    return [pytest.param(*case, id="{}-{}-to-{}-mp{}".format(*case)) for case in cases]
+    return [
+        pytest.param(
+            *case,
+            id="{}-{}-to-{}-mp{}".format(*case),
+            marks=[pytest.mark.extended] if case in EXTENDED else [],
+        )
+        for case in cases
+    ]
 
 
 @dataclass

@@ -98,7 +98,9 @@ DP_PROMPT = tinymodels.prompt_ids(91, 2 * MAX_NUM_BATCHED_TOKENS + 1)
 DP_EXPECTED_HIT = (len(DP_PROMPT) - 1) // BLOCK * BLOCK
 
 
-@pytest.fixture(scope="module", params=["socket", "port"])
+# CI runs the default (sockets); the fixed port runs with `-m extended` (its channel is
+# covered by the integration suite's lookup tests).
+@pytest.fixture(scope="module", params=["socket", pytest.param("port", marks=pytest.mark.extended)])
 def data_parallel(
     request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
 ) -> tuple[Served, Served, list[str]]:

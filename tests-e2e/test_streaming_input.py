@@ -30,7 +30,10 @@ TURN_TOKENS = 5
 COLD_TOLERANCE = {"llama": 1e-4, "lfm2": 0.02}
 
 
-@pytest.mark.parametrize("model", sorted(COLD_TOLERANCE))
+@pytest.mark.parametrize(
+    "model",
+    ["lfm2", pytest.param("llama", marks=pytest.mark.extended)],  # CI: the hybrid one
+)
 def test_a_plain_request_reuses_every_block_a_streaming_session_stored(
     vllm_ready: None, pool: Pool, references: dict[str, Reference], runs_dir: Path, model: str
 ) -> None:
