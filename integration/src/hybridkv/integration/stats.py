@@ -145,6 +145,17 @@ def prometheus_name(field: str) -> str:
     return f"vllm:hybridkv_{unit}"
 
 
+def exposed_names() -> set[str]:
+    """Every sample name the connector puts on `/metrics` (a dashboard may use these)."""
+    counters = {prometheus_name(field) + "_total" for field in (*FIELDS, *LAYERWISE_FIELDS)}
+    histograms = {
+        prometheus_name(field) + suffix
+        for field in DURATION_FIELDS
+        for suffix in ("_bucket", "_sum", "_count")
+    }
+    return counters | histograms
+
+
 class HybridKVPromMetrics(KVConnectorPromMetrics):
     """The stats as `vllm:hybridkv_<name>_total` counters and `vllm:hybridkv_<name>_seconds`
     histograms, with vLLM's engine labels. Each engine's series exist from start-up, at 0,
