@@ -22,7 +22,14 @@ from _proc import resident_bytes
 from hybridkv.transport import master as master_module
 from hybridkv.transport.errors import Status, StoreUnavailable
 from hybridkv.transport.holder import parse_args
-from hybridkv.transport.master import MasterProcess, free_port, is_listening, owns_listener
+from hybridkv.transport.holder_http import HolderState
+from hybridkv.transport.master import (
+    LOOPBACK,
+    MasterProcess,
+    free_port,
+    is_listening,
+    owns_listener,
+)
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.segment_holder import SegmentHolder, holder_config
 from hybridkv.transport.testing import (
@@ -405,3 +412,15 @@ def test_a_holder_from_a_config_file_reports_health_and_metrics_until_its_master
     assert status == 503
     assert why == f"master {master.address} unreachable\n"
     assert _gauges(_get(address, "/metrics")[1])["hybridkv_holder_master_reachable"] == 0
+
+
+def test_a_holder_is_unhealthy_until_its_segment_is_mounted() -> None:
+    listener = socket.create_server((LOOPBACK, 0))  # a master that accepts connections
+    try:
+        state = HolderState(16 << 20, f"{LOOPBACK}:{listener.getsockname()[1]}")
+        assert state.health() == (False, "segment not mounted yet")
+        assert "hybridkv_holder_mounted 0\n" in state.metrics()
+        state.mounted = True
+        assert state.health() == (True, "ok")
+    finally:
+        listener.close()
