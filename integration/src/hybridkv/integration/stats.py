@@ -54,7 +54,7 @@ DURATION_BUCKETS = (
 
 
 class HybridKVStats(KVConnectorStats):
-    """Counters since the last snapshot; every value is summed across ranks and steps."""
+    """Counters since the last snapshot, summed across ranks and steps (durations joined)."""
 
     def reset(self) -> None:
         self.data: dict[str, float] = {}
