@@ -7,7 +7,9 @@ settings from `MOONCAKE_CONFIG_PATH`. The first server stores a prompt's KV and 
 down; the second, started afterwards, must load it (vLLM's own external-hit counter on
 `/metrics` says how much, and so do hybridkv's own counters there) and answer exactly as
 the first did: same tokens, same top-5 logprobs. Stopping a server leaves no file of
-ours in its temp directory.
+ours in its temp directory. These two move whole blocks (`use_layerwise` off: the
+configuration's default), so their load and save latency histograms fill; every metric
+the Grafana dashboard in docs/ queries is on their `/metrics`.
 
 A third server runs two data-parallel engines (`--data-parallel-size 2`; for a dense
 model vLLM runs them as independent engines, each with its own scheduler, worker and
@@ -17,17 +19,25 @@ stored, and engine 1, which never saw it, loads it from the pool and answers the
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tinymodels
 from api_server import (
+    COUNTERS,
     EXTERNAL_HITS,
     FAILED_LOADS,
+    HIT_REQUESTS,
     HYBRIDKV_HITS,
     HYBRIDKV_LOADED,
+    LOAD_SECONDS_TIMED,
+    LOADS_TIMED,
     MODEL,
+    QUERIED,
+    SAVES_TIMED,
     served,
 )
 from conftest import Pool
@@ -40,6 +50,9 @@ EXPECTED_HIT = (len(PROMPT) - 1) // BLOCK * BLOCK  # a multiple of the prefill c
 
 
 Served = tuple[dict[str, Any], dict[str, float]]  # the answer, the counters it moved
+WATCHED = (*COUNTERS, QUERIED, HIT_REQUESTS, LOADS_TIMED, LOAD_SECONDS_TIMED, SAVES_TIMED)
+DASHBOARD = Path(__file__).parents[1] / "docs" / "grafana" / "hybridkv.json"
+METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*:[a-zA-Z0-9_:]*")  # PromQL: only these have ":"
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +64,29 @@ def serve_temp(runs_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def metrics_pages() -> dict[str, str]:
+    """Each of `served_twice`'s servers' `/metrics` page, read once it counted its request."""
+    return {}
+
+
+@pytest.fixture(scope="module")
 def served_twice(
-    vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path, serve_temp: Path
+    vllm_ready: None,
+    pool: Pool,
+    models_dir: Path,
+    runs_dir: Path,
+    serve_temp: Path,
+    metrics_pages: dict[str, str],
 ) -> tuple[Served, Served]:
     """What the writing server, then the reading one, answered and counted."""
     model = tinymodels.build(MODEL, models_dir, **MODELS[MODEL]).path
     env = {"MOONCAKE_CONFIG_PATH": str(pool.config_path), "TMPDIR": str(serve_temp)}
     runs = []
     for name in ("writer", "reader"):
-        with served(model, env, runs_dir / f"serve-{name}.log") as server:
-            runs.append(server.complete_counted(PROMPT))
+        log = runs_dir / f"serve-{name}.log"
+        with served(model, env, log, extra={"use_layerwise": False}) as server:
+            runs.append(server.complete_counted(PROMPT, WATCHED))
+            metrics_pages[name] = server.get("/metrics")
     return runs[0], runs[1]
 
 
@@ -79,6 +105,34 @@ def test_hybridkv_counters_are_on_the_servers_metrics(served_twice: tuple[Served
     assert reader[HYBRIDKV_HITS] == EXPECTED_HIT
     # every full-attention block, and the conv state of the block ending at the hit only
     assert reader[HYBRIDKV_LOADED] == EXPECTED_HIT // BLOCK + 1
+
+
+def test_hit_rate_and_latency_metrics_are_on_the_servers_metrics(
+    served_twice: tuple[Served, Served],
+) -> None:
+    (_, writer), (_, reader) = served_twice
+    # both asked the pool for the whole prompt (vLLM's own cache empty): one missed, one hit
+    assert writer[QUERIED] == reader[QUERIED] == len(PROMPT)
+    assert (writer[HIT_REQUESTS], reader[HIT_REQUESTS]) == (0, 1)
+    assert 0.9 < reader[HYBRIDKV_HITS] / reader[QUERIED] < 1  # all but the last partial block
+    # the reader timed its load(s), the writer its saves; each took some time, under a minute
+    assert writer[LOADS_TIMED] == 0
+    assert reader[LOADS_TIMED] >= 1
+    assert 0 < reader[LOAD_SECONDS_TIMED] / reader[LOADS_TIMED] < 60
+    assert writer[SAVES_TIMED] >= 1
+
+
+def test_every_metric_the_dashboard_queries_is_on_the_servers_metrics(
+    served_twice: tuple[Served, Served], metrics_pages: dict[str, str]
+) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for query in queries for name in METRIC_NAME.findall(query)}
+    assert len(used) > 10
+    for page in metrics_pages.values():
+        exposed = {line.split("{")[0].split(" ")[0] for line in page.splitlines()}
+        assert used <= exposed, used - exposed
 
 
 def test_second_server_answers_exactly_as_the_first(served_twice: tuple[Served, Served]) -> None:

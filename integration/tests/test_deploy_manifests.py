@@ -59,6 +59,12 @@ def test_the_holders_join_the_master_with_their_nodes_address() -> None:
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in holder["env"]}
     assert args["master"] == master_endpoint()
     assert args["hostname"] == "$(NODE_IP)"
+    # its probes reach /health where it serves it, on the node's address
+    assert args["http-host"] == args["hostname"]
+    (port,) = holder["ports"]
+    assert args["http-port"] == str(port["containerPort"])
+    for probe in ("startupProbe", "readinessProbe"):
+        assert holder[probe]["httpGet"] == {"path": "/health", "port": port["name"]}
     assert env["MC_TCP_BIND_ADDRESS"] == env["NODE_IP"]  # advertised where it listens
     segment = parse_size(env["SEGMENT_SIZE"], "SEGMENT_SIZE")
     limit = parse_size(holder["resources"]["limits"]["memory"].replace("Gi", "GiB"), "limit")

@@ -89,7 +89,9 @@ def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
     pool.down = True
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
     assert side.take_stats() == {
+        "queried_tokens": len(TOKENS),  # asked, though no answer came
         "hit_tokens": 0,
+        "hit_requests": 0,
         "tail_hit_tokens": 0,
         "lookups": 1,
         "failed_lookups": 1,

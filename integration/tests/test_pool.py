@@ -5,6 +5,7 @@ ranks fail at once instead of waiting for it, and a rank on another host (which 
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -63,9 +64,10 @@ def _embedded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
 
 
-def test_every_rank_joins_the_master_rank_zero_started() -> None:
+def test_every_rank_joins_the_master_rank_zero_started(caplog: pytest.LogCaptureFixture) -> None:
     group = ThreadGroup(RANKS)
-    pools = _open_all(group)
+    with caplog.at_level(logging.INFO, logger="hybridkv"):
+        pools = _open_all(group)
     try:
         first, second = pools
         assert isinstance(first, Pool)
@@ -73,6 +75,11 @@ def test_every_rank_joins_the_master_rank_zero_started() -> None:
         assert first.master is not None
         assert second.master is None
         assert group.sent == [EmbeddedMaster(socket.gethostname(), first.master.address)]
+        # rank 0 alone logs the versions that run and the master
+        started = [r.getMessage() for r in caplog.records if "hybridkv-keys" in r.getMessage()]
+        assert len(started) == 1
+        assert started[0].endswith(f"master {first.master.address}")
+        assert "hybridkv-integration " in started[0]
         # one pool: what rank 0 stores, rank 1 reads
         assert isinstance(first.store, MooncakeStore)
         data = np.arange(4096, dtype=np.uint8)

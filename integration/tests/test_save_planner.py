@@ -146,7 +146,9 @@ def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit
     side.take_stats()  # the writer's lookups
     side.after_alloc(reader, tables, 176)
     assert side.take_stats() == {
+        "queried_tokens": 0,  # counted by the lookup, taken with the writer's
         "hit_tokens": 176,
+        "hit_requests": 1,
         "tail_hit_tokens": 16,
         "lookups": 0,
         "failed_lookups": 0,

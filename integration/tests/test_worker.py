@@ -259,6 +259,11 @@ def test_save_then_load_round_trips_bytes(rig: Any) -> None:
     assert stats is not None
     assert stats.data["loaded_blocks"] == 3
     assert stats.data["saved_blocks"] == 3
+    # one duration per step that moved blocks, none for the steps that moved nothing;
+    # none in layerwise mode, whose transfers overlap the forward (their waits count)
+    timed = 0 if "layerwise_steps" in stats.data else 1
+    assert len(stats.data.get("load_duration_s", [])) == timed
+    assert len(stats.data.get("save_duration_s", [])) == timed
 
 
 def _one_head_at_tp2(vllm_specs: Any) -> KeySpace:

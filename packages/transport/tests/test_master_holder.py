@@ -1,8 +1,11 @@
 """MasterProcess and SegmentHolder: real processes that start, serve and stop cleanly,
-and a holder keeps what a finished writer stored."""
+and a holder keeps what a finished writer stored. A holder reads Mooncake's config file
+(flags override it) and reports health and metrics over HTTP."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import socket
 import subprocess
@@ -18,9 +21,17 @@ from _proc import resident_bytes
 
 from hybridkv.transport import master as master_module
 from hybridkv.transport.errors import Status, StoreUnavailable
-from hybridkv.transport.master import MasterProcess, free_port, is_listening, owns_listener
+from hybridkv.transport.holder import parse_args
+from hybridkv.transport.holder_http import HolderState
+from hybridkv.transport.master import (
+    LOOPBACK,
+    MasterProcess,
+    free_port,
+    is_listening,
+    owns_listener,
+)
 from hybridkv.transport.mooncake_store import MooncakeStore
-from hybridkv.transport.segment_holder import SegmentHolder
+from hybridkv.transport.segment_holder import SegmentHolder, holder_config
 from hybridkv.transport.testing import (
     StartHolder,
     StartMaster,
@@ -290,3 +301,126 @@ def test_children_die_with_a_parent_killed_outright(tmp_path: Path) -> None:
         for pid in children:
             if not _exited(pid):
                 os.kill(pid, 9)
+
+
+def _mooncake_json(path: Path, **fields: object) -> Path:
+    path.write_text(json.dumps(fields))
+    return path
+
+
+def test_the_holder_reads_mooncake_s_config_file_and_its_flags_override_it(
+    tmp_path: Path,
+) -> None:
+    config = _mooncake_json(
+        tmp_path / "mooncake.json",
+        master_server_address="10.0.0.5:50051",
+        metadata_server="http://10.0.0.5:8080/metadata",
+        protocol="rdma",
+        device_name="mlx5_0",
+        local_hostname="10.0.0.9",
+        global_segment_size="4GB",
+    )
+    args, overrides = parse_args(["--config", str(config), "--size", "1GB", "--device-name", "x"])
+    assert overrides == {"global_segment_size": "1GB", "device_name": "x"}
+    settings = holder_config(args.config, overrides)
+    assert settings.master_server_address == "10.0.0.5:50051"
+    assert settings.metadata_server == "http://10.0.0.5:8080/metadata"
+    assert (settings.protocol, settings.device_name) == ("rdma", "x")
+    assert settings.local_hostname == "10.0.0.9"
+    assert settings.global_segment_size == 1 << 30
+    assert settings.local_buffer_size == 16 << 20  # the holder's default, not the file's
+
+
+def test_flags_alone_still_make_a_holder_on_loopback_over_tcp() -> None:
+    args, overrides = parse_args(["--master", "127.0.0.1:5", "--segment-size", "16MB"])
+    settings = holder_config(args.config, overrides)
+    assert (settings.protocol, settings.metadata_server) == ("tcp", "P2PHANDSHAKE")
+    assert settings.local_hostname == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"master_server_address": "h:1", "global_segment_size": 0}, "must be positive"),
+        ({"master_server_address": "h:1", "protocl": "tcp"}, "unknown Mooncake config keys"),
+        ({"global_segment_size": "1GB"}, "needs master_server_address"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_file_and_the_field(
+    tmp_path: Path, fields: dict[str, object], error: str
+) -> None:
+    config = _mooncake_json(tmp_path / "bad.json", **fields)
+    with pytest.raises(ValueError, match=error) as refused:
+        holder_config(config, {})
+    assert str(config) in str(refused.value)
+
+
+def test_the_holder_needs_a_config_or_both_master_and_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--master", "127.0.0.1:5"])
+    assert "give --config, or --master and --segment-size" in capsys.readouterr().err
+
+
+def _get(address: str, path: str) -> tuple[int, str]:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        connection.request("GET", path)
+        reply = connection.getresponse()
+        return reply.status, reply.read().decode()
+    finally:
+        connection.close()
+
+
+def _gauges(text: str) -> dict[str, float]:
+    return {
+        name: float(value)
+        for name, value in (line.split() for line in text.splitlines() if not line.startswith("#"))
+    }
+
+
+def test_a_holder_from_a_config_file_reports_health_and_metrics_until_its_master_goes(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder, tmp_path: Path
+) -> None:
+    master = start_mooncake_master()
+    config = _mooncake_json(
+        tmp_path / "mooncake.json",
+        master_server_address=master.address,
+        protocol="tcp",
+        metadata_server="P2PHANDSHAKE",
+        global_segment_size="16MB",
+    )
+    port = free_port()
+    holder = start_segment_holder(None, None, config_path=config, http_port=port)
+    assert (holder.master_address, holder.size) == (master.address, 16 << 20)
+    address = f"127.0.0.1:{port}"
+    assert _get(address, "/health") == (200, "ok\n")
+    status, text = _get(address, "/metrics")
+    assert status == 200
+    gauges = _gauges(text)
+    assert gauges["hybridkv_holder_segment_bytes"] == 16 << 20
+    assert gauges["hybridkv_holder_mounted"] == 1
+    assert gauges["hybridkv_holder_master_reachable"] == 1
+    assert 0 < gauges["hybridkv_holder_uptime_seconds"] < 600
+    assert "# TYPE hybridkv_holder_uptime_seconds gauge" in text
+    assert _get(address, "/nothing")[0] == 404
+
+    master.stop()
+    status, why = _get(address, "/health")
+    assert status == 503
+    assert why == f"master {master.address} unreachable\n"
+    assert _gauges(_get(address, "/metrics")[1])["hybridkv_holder_master_reachable"] == 0
+
+
+def test_a_holder_is_unhealthy_until_its_segment_is_mounted() -> None:
+    listener = socket.create_server((LOOPBACK, 0))  # a master that accepts connections
+    try:
+        state = HolderState(16 << 20, f"{LOOPBACK}:{listener.getsockname()[1]}")
+        assert state.health() == (False, "segment not mounted yet")
+        assert "hybridkv_holder_mounted 0\n" in state.metrics()
+        state.mounted = True
+        assert state.health() == (True, "ok")
+    finally:
+        listener.close()

@@ -46,6 +46,7 @@ class LoadPlanner:
         # Requests whose background loads failed, and how often (until they finish).
         self._failed: dict[str, int] = {}
         self.hit_tokens = 0
+        self.hit_requests = 0
         self.tail_hit_tokens = 0
 
     def gave_up(self, request_id: str) -> bool:
@@ -113,6 +114,7 @@ class LoadPlanner:
                     loads.append(BlockRef(group, block, ids[block], tail_hash, tail=hit))
             tracked.scanned[group] = max(tracked.scanned[group], hit // size)
         self.hit_tokens += external
+        self.hit_requests += 1
         self.tail_hit_tokens += pending.tail_tokens if allocated is pending.hit else 0
         self._ready[request.request_id] = RequestTransfers(
             request_id=request.request_id, loads=loads, load_async=self.load_async

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hybridkv.integration.config import ConnectorConfig, mooncake_config_from_env
+from hybridkv.integration.versions import startup_line
 from hybridkv.transport import MasterProcess, MemoryStore, MooncakeConfig, MooncakeStore, Store
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Pool:
 
     store: Store
     master: MasterProcess | None = None
+    master_address: str = ""  # "" for the memory store
     # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see
     # `transfer_mode.granularity`.
     rdma: bool = False
@@ -85,6 +87,15 @@ def _refuse_stages(pp_size: int, store: str) -> None:
 def open_pool(
     config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_size: int = 1
 ) -> Pool:
+    """The store this worker uses, started as the configuration asks; TP rank 0 logs the
+    versions that run and the master it uses (`_open_pool`)."""
+    pool = _open_pool(config, tp_rank, broadcast, pp_size)
+    if tp_rank == 0:
+        logger.info(startup_line(pool.master_address or "none (memory store)"))
+    return pool
+
+
+def _open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_size: int) -> Pool:
     """The store this worker uses, started as the configuration asks.
 
     Every rank meets the others in `broadcast` once: rank 0 sends the master it uses,
@@ -114,7 +125,11 @@ def open_pool(
                 " (MOONCAKE_CONFIG_PATH): every worker must see the same file"
             )
     if mooncake is not None:
-        return Pool(MooncakeStore.connect(mooncake), rdma=mooncake.protocol == "rdma")
+        return Pool(
+            MooncakeStore.connect(mooncake),
+            master_address=mooncake.master_server_address,
+            rdma=mooncake.protocol == "rdma",
+        )
     if tp_rank != 0:
         embedded = chosen
         if not isinstance(embedded, EmbeddedMaster):
@@ -130,7 +145,7 @@ def open_pool(
                 "on several hosts set MOONCAKE_CONFIG_PATH to a master every host reaches"
             )
         joined = MooncakeConfig(master_server_address=embedded.address)
-        return Pool(MooncakeStore.connect(joined))
+        return Pool(MooncakeStore.connect(joined), master_address=embedded.address)
     try:
         master = MasterProcess.start()
     except BaseException:
@@ -149,4 +164,4 @@ def open_pool(
         broadcast(None)
         raise
     broadcast(EmbeddedMaster(socket.gethostname(), master.address))
-    return Pool(store, master)
+    return Pool(store, master, master.address)

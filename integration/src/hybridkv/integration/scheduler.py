@@ -78,6 +78,7 @@ class SchedulerSide:
         # Where vLLM's own hits may end: the prefixes remembered fresh end there too.
         local_unit = math.gcd(self.plan.hash_block_size, local_hit_unit)
         quarantine = Quarantine(config.failed_load_quarantine_s, clock)
+        self._queried_tokens = 0  # asked of the pool past vLLM's own hits: hit rate's base
         self._hits = HitFinder(keys, self.coordinator, query, quarantine, tail_unit)
         load_async = config.load_async or load_async_required
         self._loads = LoadPlanner(self.plan, self.coordinator, load_async)
@@ -134,6 +135,7 @@ class SchedulerSide:
             return 0, False  # vLLM computes it
         if not self._hits.worth_asking(request, num_computed):
             return 0, False
+        self._queried_tokens += request.num_tokens - num_computed
         found = self._hits.find(request, self._track(request), num_computed)
         if found is None:
             return 0, False
@@ -244,12 +246,14 @@ class SchedulerSide:
     def take_stats(self) -> dict[str, int]:
         hits, loads = self._hits, self._loads
         stats = {
+            "queried_tokens": self._queried_tokens,
             "hit_tokens": loads.hit_tokens,
+            "hit_requests": loads.hit_requests,
             "tail_hit_tokens": loads.tail_hit_tokens,
             "lookups": hits.lookups,
             "failed_lookups": hits.failed_lookups,
             "quarantined_keys": hits.quarantined_keys,
         }
-        loads.hit_tokens = loads.tail_hit_tokens = hits.lookups = hits.failed_lookups = 0
-        hits.quarantined_keys = 0
+        loads.hit_tokens = loads.hit_requests = loads.tail_hit_tokens = 0
+        hits.lookups = hits.failed_lookups = hits.quarantined_keys = self._queried_tokens = 0
         return stats

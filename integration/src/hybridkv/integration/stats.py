@@ -1,10 +1,11 @@
 """Transfer counters the connector reports through vLLM's KV connector stats.
 
-Workers count bytes, blocks and seconds of their loads and saves; the scheduler counts hit
-tokens. vLLM sums the snapshots of all ranks with `aggregate`, logs `reduce()` and hands
-each step's sums to `HybridKVPromMetrics`, which adds them to Prometheus counters on the
-server's `/metrics`. In layerwise mode the workers also report the exposed transfer tail
-(`LAYERWISE_FIELDS`).
+Workers count bytes, blocks and seconds of their loads and saves, and record how long each
+load and save took (`DURATION_FIELDS`, lists); the scheduler counts the tokens it asked the
+pool for and those it hit. vLLM sums the snapshots of all ranks with `aggregate` (lists are
+joined), logs `reduce()` and hands each step's data to `HybridKVPromMetrics`, which adds the
+sums to Prometheus counters and the durations to histograms on the server's `/metrics`. In
+layerwise mode the workers also report the exposed transfer tail (`LAYERWISE_FIELDS`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 FIELDS = (
+    "queried_tokens",
     "hit_tokens",
+    "hit_requests",
     "tail_hit_tokens",
     "lookups",
     "failed_lookups",
@@ -41,17 +44,24 @@ LAYERWISE_FIELDS = (
     "finish_wait_s",
     "exposed_tail_s",
 )
+# Seconds of each load (one step's loads, or one request's background load) and of each
+# save (one step's saves), per rank: their histograms give latency quantiles.
+DURATION_FIELDS = ("load_duration_s", "save_duration_s")
+# vLLM's NIXL transfer-time buckets, reaching down to the sub-millisecond loads of a GPU.
+DURATION_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
+)  # fmt: skip
 
 
 class HybridKVStats(KVConnectorStats):
-    """Counters since the last snapshot; every value is summed across ranks and steps."""
+    """Counters since the last snapshot, summed across ranks and steps (durations joined)."""
 
     def reset(self) -> None:
         self.data: dict[str, float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            self.data[name] = self.data.get(name, [] if name in DURATION_FIELDS else 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -60,6 +70,8 @@ class HybridKVStats(KVConnectorStats):
             reduced.update({name: self.data.get(name, 0) for name in LAYERWISE_FIELDS})
         seconds = reduced["load_seconds"]
         reduced["load_gb_per_s"] = reduced["loaded_bytes"] / seconds / 1e9 if seconds else 0.0
+        queried = reduced["queried_tokens"]
+        reduced["hit_rate"] = reduced["hit_tokens"] / queried if queried else 0.0
         return reduced
 
     def is_empty(self) -> bool:
@@ -78,6 +90,12 @@ class Counters:
             for name, value in values.items():
                 self._data[name] = self._data.get(name, 0) + value
 
+    def record(self, **durations: float) -> None:
+        """One observation of each of `DURATION_FIELDS` named, for its histogram."""
+        with self._lock:
+            for name, seconds in durations.items():
+                self._data.setdefault(name, []).append(seconds)
+
     def take(self) -> HybridKVStats | None:
         with self._lock:
             data, self._data = self._data, {}
@@ -91,9 +109,12 @@ class Counters:
         return data
 
 
-# Help of each field's Prometheus counter (every field of FIELDS and LAYERWISE_FIELDS has
-# one); its name is the field's, "_s" spelled "_seconds", and the exposition adds "_total".
+# Help of each field's Prometheus metric (every field of FIELDS, LAYERWISE_FIELDS and
+# DURATION_FIELDS has one); its name is the field's, "_s" spelled "_seconds"; the exposition
+# adds "_total" to counters and "_bucket", "_sum", "_count" to histograms.
 PROMETHEUS_HELP = {
+    "queried_tokens": "Prompt tokens past vLLM's own hit that the pool was asked for",
+    "hit_requests": "Requests that loaded a hit from the pool",
     "hit_tokens": "Prompt tokens the pool held when vLLM asked",
     "tail_hit_tokens": "Of the hit tokens, those past the aligned hit (prompt tails)",
     "lookups": "Pool lookups made for requests",
@@ -113,6 +134,8 @@ PROMETHEUS_HELP = {
     "backlog_wait_s": "Forward seconds bounding outstanding saves",
     "finish_wait_s": "Forward seconds waiting at step end",
     "exposed_tail_s": "Forward seconds blocked on transfers",
+    "load_duration_s": "Seconds of each load (a step's, or a request's in the background)",
+    "save_duration_s": "Seconds of each step's saves to the pool",
 }
 
 
@@ -122,8 +145,21 @@ def prometheus_name(field: str) -> str:
     return f"vllm:hybridkv_{unit}"
 
 
+def exposed_names() -> set[str]:
+    """Every sample name the connector puts on `/metrics` (a dashboard may use these)."""
+    counters = {prometheus_name(field) + "_total" for field in (*FIELDS, *LAYERWISE_FIELDS)}
+    histograms = {
+        prometheus_name(field) + suffix
+        for field in DURATION_FIELDS
+        for suffix in ("_bucket", "_sum", "_count")
+    }
+    return counters | histograms
+
+
 class HybridKVPromMetrics(KVConnectorPromMetrics):
-    """The stats as `vllm:hybridkv_<name>_total` counters with vLLM's engine labels."""
+    """The stats as `vllm:hybridkv_<name>_total` counters and `vllm:hybridkv_<name>_seconds`
+    histograms, with vLLM's engine labels. Each engine's series exist from start-up, at 0,
+    as vLLM's own do: a dashboard's queries find every series before the first transfer."""
 
     def __init__(
         self,
@@ -133,8 +169,8 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        # made with the counter class vLLM passes (prometheus_client's Counter)
-        self._counters: dict[str, Any] = {
+        # made with the metric classes vLLM passes (prometheus_client's)
+        counters = {
             field: self._counter_cls(
                 name=prometheus_name(field),
                 documentation=PROMETHEUS_HELP[field],
@@ -142,10 +178,26 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
             )
             for field in (*FIELDS, *LAYERWISE_FIELDS)
         }
+        histograms = {
+            field: self._histogram_cls(
+                name=prometheus_name(field),
+                documentation=PROMETHEUS_HELP[field],
+                buckets=DURATION_BUCKETS,
+                labelnames=labelnames,
+            )
+            for field in DURATION_FIELDS
+        }
+        self._counters: dict[int, dict[str, Any]] = {}
+        self._histograms: dict[int, dict[str, Any]] = {}
+        for engine, labels in per_engine_labelvalues.items():
+            self._counters[engine] = {f: c.labels(*labels) for f, c in counters.items()}
+            self._histograms[engine] = {f: h.labels(*labels) for f, h in histograms.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self.per_engine_labelvalues[engine_idx]
+        counters, histograms = self._counters[engine_idx], self._histograms[engine_idx]
         for field, value in transfer_stats_data.items():
-            counter = self._counters.get(field)
-            if counter is not None and value > 0:
-                counter.labels(*labels).inc(value)
+            if field in histograms:
+                for seconds in value:
+                    histograms[field].observe(seconds)
+            elif field in counters and value > 0:
+                counters[field].inc(value)

@@ -39,9 +39,9 @@ IDLE_POLL_S = 0.001
 class WorkerSide:
     """The worker role: renders this rank's keys, runs the strategy, reports outcomes.
 
-    `counters` are taken by vLLM's per-step stats snapshots; `totals` keep summing the
-    same values until `HybridKVConnector.transfer_totals(reset=True)` (for in-process
-    benchmarks).
+    `counters` are taken by vLLM's per-step stats snapshots (with each load's and save's
+    duration); `totals` keep summing the same counts until
+    `HybridKVConnector.transfer_totals(reset=True)` (for in-process benchmarks).
     """
 
     def __init__(
@@ -157,6 +157,10 @@ class WorkerSide:
             load_seconds=result.seconds,
             failed_load_blocks=failed_objects,
         )
+        # Timed loads only: a step without loads settles an empty result, and layerwise
+        # loads carry no clock (they overlap the forward; its waits are counted instead).
+        if (result.bytes or failed_objects) and result.seconds:
+            self.counters.record(load_duration_s=result.seconds)
 
     def _record_sync_load(self, result: TransferResult, loads: Sequence[BlockTransfer]) -> None:
         """A load before or in the forward: besides `_record_load`, its failed blocks go
@@ -183,6 +187,8 @@ class WorkerSide:
                 save_seconds=result.seconds,
                 failed_save_blocks=len(result.failed_keys),
             )
+            if blocks and result.seconds:  # (as loads: timed ones only)
+                self.counters.record(save_duration_s=result.seconds)
             # A contended key was another instance's to store: that one announces it.
             unstored = {*result.failed_keys, *result.contended_keys}
             self._stored.extend(event for key, event in announce.items() if key not in unstored)

