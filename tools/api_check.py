@@ -89,7 +89,9 @@ class Wheel:
                     if (alias.asname or alias.name) == name:
                         source = _absolute(module, node, self.is_package(module))
                         origin = self.locate(source, alias.name, hops - 1) if hops else None
-                        found = origin or (module, node)
+                        # From another package (or too deep to follow): take it as there.
+                        outside = not hops or self.module(source) is None
+                        found = origin or ((module, node) if outside else None)
         submodule = self.module(f"{module}.{name}")
         if found is None and submodule is not None:
             found = (f"{module}.{name}", submodule)
@@ -236,8 +238,10 @@ def ascend_targets() -> list[tuple[str, str, str]]:
     )
 
 
-def check_imports(old: Wheel, new: Wheel) -> Iterator[Finding]:
-    for module, name in imported_from_vllm():
+def check_imports(
+    old: Wheel, new: Wheel, imports: list[tuple[str, str]] | None = None
+) -> Iterator[Finding]:
+    for module, name in imported_from_vllm() if imports is None else imports:
         before, after = old.find(module, name), new.find(module, name)
         where = f"{module}.{name}"
         if after is None:
@@ -252,8 +256,8 @@ def check_imports(old: Wheel, new: Wheel) -> Iterator[Finding]:
                 yield Finding(True, f"changed: {shapes}")
 
 
-def check_connector_base(old: Wheel, new: Wheel) -> Iterator[Finding]:
-    ours = connector_methods()
+def check_connector_base(old: Wheel, new: Wheel, ours: set[str] | None = None) -> Iterator[Finding]:
+    ours = connector_methods() if ours is None else ours
     base_old = old.find(CONNECTOR_MODULE, CONNECTOR_BASE)
     base_new = new.find(CONNECTOR_MODULE, CONNECTOR_BASE)
     if not isinstance(base_old, ast.ClassDef) or not isinstance(base_new, ast.ClassDef):
@@ -275,8 +279,10 @@ def check_connector_base(old: Wheel, new: Wheel) -> Iterator[Finding]:
             yield Finding(False, f"new in {CONNECTOR_BASE}: {name}{parameters(function)}: {doc}")
 
 
-def check_ascend(ascend: Wheel) -> Iterator[Finding]:
-    for module, cls, method in ascend_targets():
+def check_ascend(
+    ascend: Wheel, targets: list[tuple[str, str, str]] | None = None
+) -> Iterator[Finding]:
+    for module, cls, method in ascend_targets() if targets is None else targets:
         if ascend.method(module, cls, method) is None:
             yield Finding(True, f"vLLM-Ascend lacks {module}.{cls}.{method} (layerwise window)")
 
