@@ -6,7 +6,9 @@ as the README configures it. One client sends completions one after another (a n
 every `--interval` seconds at most), over a few prompts that share nothing; after each
 round over them vLLM's own prefix cache is emptied, so the next round asks the pool. The
 first round, with the pool empty, is the cold reference: every later answer (tokens and
-top-5 logprobs) must equal its prompt's cold one exactly.
+top-5 logprobs) must equal its prompt's cold one exactly. One request at a time: LFM2's
+conv state is computed differently when prompts share a batch, so concurrent requests
+would differ from cold for reasons of vLLM's own.
 
 Meanwhile a harness takes the pool down in turns, each outage `--outage` seconds with
 `--steady` seconds of quiet between: the holder stalled (SIGSTOP, then SIGCONT), the
@@ -170,9 +172,9 @@ class Harness(threading.Thread):
         self._halt.set()
 
     def _quiet(self, seconds: float) -> bool:
-        """Wait; False once halted or past the deadline."""
-        wait = min(seconds, self.deadline - time.monotonic())
-        return wait > 0 and not self._halt.wait(wait)
+        """Wait (never past the deadline); whether time is left and nobody halted."""
+        self._halt.wait(max(0.0, min(seconds, self.deadline - time.monotonic())))
+        return not self._halt.is_set() and time.monotonic() < self.deadline
 
     def run(self) -> None:
         try:
