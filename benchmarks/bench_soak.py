@@ -176,10 +176,13 @@ class Harness(threading.Thread):
         self._halt.wait(max(0.0, min(seconds, self.deadline - time.monotonic())))
         return not self._halt.is_set() and time.monotonic() < self.deadline
 
+    def _fits(self, seconds: float) -> bool:
+        return self.deadline - time.monotonic() >= seconds
+
     def run(self) -> None:
         try:
             turn = 0
-            while self._quiet(self.steady_s):
+            while self._quiet(self.steady_s) and self._fits(self.outage_s):
                 fault = FAULTS[turn % len(FAULTS)]
                 turn += 1
                 began = time.monotonic()
