@@ -159,9 +159,9 @@ class Harness(threading.Thread):
     """Steady, an outage, steady, the next outage... until `deadline`; `phase` names the
     current one. Any outage in progress at the deadline (or on `halt`) is ended."""
 
-    def __init__(self, pool: Pool, deadline: float, steady_s: float, outage_s: float) -> None:
+    def __init__(self, pool: Pool, steady_s: float, outage_s: float) -> None:
         super().__init__(name="soak-harness", daemon=True)
-        self.pool, self.deadline = pool, deadline
+        self.pool, self.deadline = pool, 0.0  # set when the stream starts
         self.steady_s, self.outage_s = steady_s, outage_s
         self.phase = STEADY
         self.outages: list[tuple[str, float, float]] = []  # (fault, began, ended)
@@ -276,15 +276,18 @@ def process_stats(leader: int) -> tuple[int, int, int]:
     return count, rss, threads
 
 
-def soak(server: Server, port: int, harness: Harness, interval_s: float) -> tuple[Tally, Any, Any]:
-    """The request stream until the harness's deadline; the server's process stats after
-    the cold round and at the end."""
+def soak(
+    server: Server, port: int, harness: Harness, seconds: float, interval_s: float
+) -> tuple[Tally, Any, Any]:
+    """The request stream for `seconds` after the cold round, the harness beside it; the
+    server's process stats after the cold round and at the end."""
     prompts = [tinymodels.prompt_ids(seed, PROMPT_TOKENS) for seed in PROMPT_SEEDS]
     tally = Tally()
     cold: list[Answer] = []
     for prompt in prompts:  # the pool is empty: cold, and stored
         cold.append(stream_completion(port, server.model, prompt, "cold"))
     start_stats = process_stats(server.process.pid)
+    harness.deadline = time.monotonic() + seconds
     harness.start()
     sent = 0
     while time.monotonic() < harness.deadline:
@@ -358,13 +361,13 @@ def main() -> int:
             env = {"MOONCAKE_CONFIG_PATH": str(pool.config), "VLLM_SERVER_DEV_MODE": "1"}
             with served(model, env, directory / "server.log") as server:
                 port = server.port
-                deadline = time.monotonic() + args.seconds
-                harness = Harness(pool, deadline, args.steady, args.outage)
+                harness = Harness(pool, args.steady, args.outage)
                 try:
-                    tally, start, end = soak(server, port, harness, args.interval)
+                    tally, start, end = soak(server, port, harness, args.seconds, args.interval)
                 finally:
                     harness.halt()
-                    harness.join(timeout=120)
+                    if harness.ident is not None:  # started: let it end the outage it is in
+                        harness.join(timeout=120)
                 report(tally, harness, start, end, args.seconds)
         finally:
             pool.stop()
