@@ -18,7 +18,8 @@ the old one's segment was mounted at the dead master: all objects are lost).
 
 Reported: requests served, errors (HTTP errors and timeouts; target 0), answers that
 differ from cold (target 0), TTFT (time to the first streamed token) p50/p99 while steady
-and during each kind of outage (a request counts for the phase it started in), and the
+and during each kind of outage (a request counts for the outage it overlapped, from its
+start to its first token; steady if none), and the
 resident memory and thread count of the server's processes after the cold round and at the
 end. Everything started here is stopped by PID at the end, on error too.
 
@@ -156,14 +157,13 @@ FAULTS: tuple[Fault, ...] = (StallHolder(), KillHolder(), StallMaster(), KillMas
 
 
 class Harness(threading.Thread):
-    """Steady, an outage, steady, the next outage... until `deadline`; `phase` names the
-    current one. Any outage in progress at the deadline (or on `halt`) is ended."""
+    """Steady, an outage, steady, the next outage... until `deadline`; `outages` records
+    when each was. Any outage in progress at the deadline (or on `halt`) is ended."""
 
     def __init__(self, pool: Pool, steady_s: float, outage_s: float) -> None:
         super().__init__(name="soak-harness", daemon=True)
         self.pool, self.deadline = pool, 0.0  # set when the stream starts
         self.steady_s, self.outage_s = steady_s, outage_s
-        self.phase = STEADY
         self.outages: list[tuple[str, float, float]] = []  # (fault, began, ended)
         self.error: BaseException | None = None
         self._halt = threading.Event()
@@ -186,13 +186,11 @@ class Harness(threading.Thread):
                 fault = FAULTS[turn % len(FAULTS)]
                 turn += 1
                 began = time.monotonic()
-                self.phase = fault.name
                 fault.begin(self.pool)
                 try:
                     self._quiet(self.outage_s)
                 finally:
                     fault.end(self.pool)
-                    self.phase = STEADY
                     self.outages.append((fault.name, began, time.monotonic()))
         except BaseException as exc:
             self.error = exc
@@ -202,13 +200,13 @@ class Harness(threading.Thread):
 class Answer:
     """One streamed completion: its tokens with their top logprobs, and its timing."""
 
-    phase: str
+    started: float
     ttft_s: float
     tokens: list[Any] = field(default_factory=list)
     top_logprobs: list[Any] = field(default_factory=list)
 
 
-def stream_completion(port: int, model: str, prompt: list[int], phase: str) -> Answer:
+def stream_completion(port: int, model: str, prompt: list[int]) -> Answer:
     """A greedy streamed completion; TTFT is the time to its first token's chunk."""
     body = {
         "model": model,
@@ -238,7 +236,7 @@ def stream_completion(port: int, model: str, prompt: list[int], phase: str) -> A
             if not logprobs.get("tokens"):
                 continue
             if answer is None:
-                answer = Answer(phase, time.monotonic() - started)
+                answer = Answer(started, time.monotonic() - started)
             answer.tokens += logprobs["tokens"]
             answer.top_logprobs += logprobs["top_logprobs"]
     finally:
@@ -253,8 +251,8 @@ class Tally:
     """What the stream saw."""
 
     answers: list[Answer] = field(default_factory=list)
-    errors: list[tuple[str, str]] = field(default_factory=list)  # (phase, what)
-    mismatches: list[tuple[str, int]] = field(default_factory=list)  # (phase, prompt)
+    errors: list[tuple[float, float, str]] = field(default_factory=list)  # (from, to, what)
+    mismatches: list[tuple[Answer, int]] = field(default_factory=list)  # (answer, prompt)
 
 
 def process_stats(leader: int) -> tuple[int, int, int]:
@@ -285,7 +283,7 @@ def soak(
     tally = Tally()
     cold: list[Answer] = []
     for prompt in prompts:  # the pool is empty: cold, and stored
-        cold.append(stream_completion(port, server.model, prompt, "cold"))
+        cold.append(stream_completion(port, server.model, prompt))
     start_stats = process_stats(server.process.pid)
     harness.deadline = time.monotonic() + seconds
     harness.start()
@@ -294,18 +292,19 @@ def soak(
         index = sent % len(prompts)
         if index == 0:
             server.reset_prefix_cache()  # the next round asks the pool
-        began, phase = time.monotonic(), harness.phase
+        began = time.monotonic()
         try:
-            answer = stream_completion(port, server.model, prompts[index], phase)
+            answer = stream_completion(port, server.model, prompts[index])
         except Exception as exc:  # an error to count, not a reason to stop
-            tally.errors.append((phase, f"{type(exc).__name__}: {exc}"[:200]))
+            what = f"{type(exc).__name__}: {exc}"[:200]
+            tally.errors.append((began, time.monotonic(), what))
         else:
             tally.answers.append(answer)
             if (answer.tokens, answer.top_logprobs) != (
                 cold[index].tokens,
                 cold[index].top_logprobs,
             ):
-                tally.mismatches.append((phase, index))
+                tally.mismatches.append((answer, index))
         sent += 1
         time.sleep(max(0.0, began + interval_s - time.monotonic()))
     harness.halt()
@@ -318,7 +317,20 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
+def phase_of(began: float, ended: float, outages: list[tuple[str, float, float]]) -> str:
+    """The outage [began, ended] overlapped (the first), or steady."""
+    for name, down, up in outages:
+        if began <= up and down <= ended:
+            return name
+    return STEADY
+
+
 def report(tally: Tally, harness: Harness, start: Any, end: Any, seconds: float) -> None:
+    outages = harness.outages
+
+    def phase(answer: Answer) -> str:
+        return phase_of(answer.started, answer.started + answer.ttft_s, outages)
+
     print(f"\nbench_soak: {seconds:.0f} s, {len(harness.outages)} outages")
     for name, began, ended in harness.outages:
         print(f"  {name:<15} {ended - began:5.1f} s")
@@ -326,16 +338,16 @@ def report(tally: Tally, harness: Harness, start: Any, end: Any, seconds: float)
         f"requests: {len(tally.answers)} served, {len(tally.errors)} errors, "
         f"{len(tally.mismatches)} answers differing from cold"
     )
-    for phase, what in tally.errors[:10]:
-        print(f"  error during {phase}: {what}")
-    for phase, index in tally.mismatches[:10]:
-        print(f"  prompt {index} differed from cold during {phase}")
-    print("TTFT (streamed first token), by the phase a request started in:")
-    for phase in (STEADY, *(fault.name for fault in FAULTS)):
-        ttfts = [answer.ttft_s for answer in tally.answers if answer.phase == phase]
+    for began, ended, what in tally.errors[:10]:
+        print(f"  error during {phase_of(began, ended, outages)}: {what}")
+    for answer, index in tally.mismatches[:10]:
+        print(f"  prompt {index} differed from cold during {phase(answer)}")
+    print("TTFT (streamed first token), by the outage a request overlapped until it:")
+    for name in (STEADY, *(fault.name for fault in FAULTS)):
+        ttfts = [answer.ttft_s for answer in tally.answers if phase(answer) == name]
         if ttfts:
             print(
-                f"  {phase:<15} n={len(ttfts):4d}  p50 {statistics.median(ttfts) * 1e3:7.0f} ms"
+                f"  {name:<15} n={len(ttfts):4d}  p50 {statistics.median(ttfts) * 1e3:7.0f} ms"
                 f"  p99 {percentile(ttfts, 0.99) * 1e3:7.0f} ms  max {max(ttfts) * 1e3:7.0f} ms"
             )
     for label, (count, rss, threads) in (("after cold round", start), ("at end", end)):
