@@ -70,8 +70,10 @@ from hybridkv.transport import (
     MooncakeStore,
     PipelineOptions,
     SegmentHolder,
+    Store,
     TransferEngine,
 )
+from hybridkv.transport.integrity import IntegrityKey, TaggedStore
 from hybridkv.transport.mooncake_client import load_client_class
 
 LAYERS = 61
@@ -295,7 +297,7 @@ def transport_get(
     return len(result.failed_keys), first_layer - started
 
 
-def engine_for(store: MooncakeStore, caches: Caches, mode: str) -> TransferEngine:
+def engine_for(store: Store, caches: Caches, mode: str) -> TransferEngine:
     granularity = "staged" if mode == "whole" else mode
     return TransferEngine(store, caches.layouts, PipelineOptions(granularity=granularity))
 
@@ -545,6 +547,65 @@ def report(same: Samples, cross: dict[str, list[float]], block_major: bool, tota
             print(wait_line(f"{label}: get until layer 0", raw, cross[f"{mode} first layer"]))
 
 
+def integrity(master: str, blocks: int, repeats: int) -> None:
+    """Whole save then load (staged) with integrity tags on and off, side by side: each
+    pass runs both (which goes first alternates) through one client, fresh keys each."""
+    source = Caches(blocks, seed=1, block_major=False)
+    target = Caches(blocks, seed=None, block_major=False)
+    store, client = connect(master)
+    tagged = TaggedStore(store, IntegrityKey(b"bench secret, not a real one...."))
+    engines = {
+        "off": (engine_for(store, source, "whole"), engine_for(store, target, "whole")),
+        "on": (engine_for(tagged, source, "whole"), engine_for(tagged, target, "whole")),
+    }
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+
+    def round_trip(name: str, repeat: int) -> tuple[float, float]:
+        writer, reader = engines[name]
+        saves = transfers(f"integrity-{name}{repeat}", blocks)
+        target.clear()
+        put_s, _ = timed(transport_put, writer, saves, "whole")
+        get_s, (failed, _) = timed(transport_get, reader, saves, "whole")
+        if failed or not target.same_as(source):
+            raise RuntimeError(f"integrity {name}: {failed} keys failed or wrong bytes")
+        checked(client.batch_remove([t.key for t in saves], True), "remove")
+        return put_s, get_s
+
+    try:
+        for repeat in range(repeats + 1):  # pass 0 warms both paths up
+            off, on = in_order(
+                partial(round_trip, "off", repeat), partial(round_trip, "on", repeat),
+                bool(repeat % 2),
+            )  # fmt: skip
+            if repeat:
+                times["off"].append(off)
+                times["on"].append(on)
+    finally:
+        for writer, reader in engines.values():
+            writer.close()
+            reader.close()
+        tagged.close()
+    flat = source.objects()
+    hash_s = min(timed(tagged_bytes, flat)[0] for _ in range(3))
+    total = blocks * LAYERS * sum(nbytes for _, nbytes in GROUPS.values())
+    (off_put, off_get), (on_put, on_get) = (list(zip(*times[n], strict=True)) for n in times)
+    print(f"\nintegrity tags (whole save/load, staged, per-layer tensors, {total / 1e6:.0f} MB):")
+    print(f"  keyed BLAKE2b alone over the same bytes: {total / hash_s / 1e9:.2f} GB/s")
+    for label, off_s, on_s in (("put", off_put, on_put), ("get", off_get, on_get)):
+        print(
+            f"  {label}: off {total / statistics.median(off_s) / 1e9:6.2f} GB/s  on "
+            f"{total / statistics.median(on_s) / 1e9:6.2f} GB/s  on/off time "
+            f"{paired(list(on_s), list(off_s))}"
+        )
+
+
+def tagged_bytes(flat: np.ndarray) -> bytes:
+    """A keyed BLAKE2b over `flat`, as the integrity tag hashes each object."""
+    return IntegrityKey(b"bench secret, not a real one....").tag(
+        "k", [flat.ctypes.data], [flat.nbytes]
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=256)
@@ -560,6 +621,9 @@ def main() -> int:
         nargs="+",
         choices=["per-layer", "block-major"],
         default=["per-layer", "block-major"],
+    )
+    parser.add_argument(
+        "--integrity-only", action="store_true", help="only integrity tags on vs off"
     )
     args = parser.parse_args()
     keep_only(args.modes)
@@ -577,9 +641,11 @@ def main() -> int:
         f"{total / 1e6:.0f} MB per pass, median of {args.repeats} after a warm-up pass"
     )
     # each mode's objects, the raw twin kept for the reader and the one of the pair running
-    holder_bytes = (len(MODES) + 2) * total + (256 << 20)
+    holder_bytes = (2 if args.integrity_only else len(MODES) + 2) * total + (256 << 20)
     with MasterProcess.start() as master, SegmentHolder.start(master.address, holder_bytes):
         for label, block_major in LAYOUTS.items():
+            if args.integrity_only:
+                break
             if ("block-major" if block_major else "per-layer") not in args.layouts:
                 continue
             same, prefixes = same_process(master.address, args.blocks, args.repeats, block_major)
@@ -590,6 +656,7 @@ def main() -> int:
             cleaner.close()
             print(f"\n{label}:")
             report(same, cross, block_major, total)
+        integrity(master.address, args.blocks, args.repeats)
     return 0
 
 

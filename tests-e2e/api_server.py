@@ -84,6 +84,11 @@ class Server:
         self._port = port
         self._uds = uds
 
+    @property
+    def port(self) -> int:
+        """The loopback port it listens on (0: a Unix socket)."""
+        return self._port
+
     def _send(
         self, path: str, data: bytes | None, headers: dict[str, str], timeout_s: float
     ) -> str:

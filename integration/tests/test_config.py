@@ -235,3 +235,33 @@ def test_mooncake_json(tmp_path: Path) -> None:
     path.write_text(json.dumps({"master_server_address": "127.0.0.1:1", "bogus": 1}))
     with pytest.raises(ValueError, match="bogus"):
         mooncake_config_from_env({"MOONCAKE_CONFIG_PATH": str(path)})
+
+
+def test_integrity_is_off_by_default_and_named_by_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert ConnectorConfig().integrity_secret_env == ""
+    monkeypatch.setenv("HKV_SECRET", "0123456789abcdef0123456789abcdef")
+    config = parse_extra_config({"integrity_secret_env": "HKV_SECRET"})
+    assert config.pipeline_options("cpu").granularity == "staged"
+    with pytest.raises(ValueError, match=r"integrity_secret_env.*'cuda:0'"):
+        config.pipeline_options("cuda:0")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"integrity_secret_env": "my secret value!"}, "never the secret itself"),
+        ({"integrity_secret_env": "HKV_UNSET_SECRET"}, "HKV_UNSET_SECRET.*unset"),
+        ({"integrity_secret_env": "HKV_SHORT"}, "HKV_SHORT.*at least 16 bytes"),
+        ({"integrity_secret_env": "HKV_SECRET", "granularity": "layer"}, "granularity 'layer'"),
+    ],
+)
+def test_integrity_settings_that_cannot_work_are_refused(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, object], message: str
+) -> None:
+    monkeypatch.delenv("HKV_UNSET_SECRET", raising=False)
+    monkeypatch.setenv("HKV_SHORT", "short")
+    monkeypatch.setenv("HKV_SECRET", "0123456789abcdef0123456789abcdef")
+    with pytest.raises(ValueError, match=message):
+        parse_extra_config(extra)

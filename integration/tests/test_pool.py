@@ -18,6 +18,7 @@ from hybridkv.integration import pool as pool_module
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.pool import Broadcast, EmbeddedMaster, Pool, SharedMaster, open_pool
 from hybridkv.transport import MasterProcess, MooncakeConfig, MooncakeStore, Status
+from hybridkv.transport.integrity import TaggedStore
 
 RANKS = 2
 
@@ -165,3 +166,20 @@ def test_pipeline_stages_need_a_shared_master(store: str, named: str) -> None:
     meet, and no stage would hit."""
     with pytest.raises(RuntimeError, match=f"{named} serves one pipeline stage only"):
         open_pool(ConnectorConfig(store=store), 0, ThreadGroup(1).broadcast(0), pp_size=2)
+
+
+def test_with_a_secret_the_pool_tags_its_objects_and_closing_it_keeps_the_shared_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HKV_POOL_SECRET", "0123456789abcdef0123456789abcdef")
+    config = ConnectorConfig(store="memory", integrity_secret_env="HKV_POOL_SECRET")
+    pool = open_pool(config, 0, ThreadGroup(1).broadcast(0))
+    plain = pool_module.process_memory_store()
+    assert isinstance(pool.store, TaggedStore)
+    assert pool.store.inner is plain
+    data = np.arange(256, dtype=np.uint8)
+    assert pool.store.batch_put_whole(["tagged"], [[data.ctypes.data]], [[256]]) == [Status.OK]
+    out = np.zeros(256, dtype=np.uint8)  # read untagged: the object is larger than its bytes
+    assert plain.batch_get_whole(["tagged"], [[out.ctypes.data]], [[256]]) != [Status.OK]
+    pool.close()
+    assert plain.batch_is_readable(["tagged"]) == [True]  # still open, shared

@@ -575,3 +575,49 @@ def test_a_serving_engine_announces_its_last_step_s_saves_while_idle(
         gc.collect()
     pool = [e.block_hashes for e in stored if e.medium == "CPU"]
     assert len(pool) == 6
+
+
+def test_with_integrity_tags_changed_objects_are_recomputed_never_used(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tags on: a warm engine reuses the KV exactly; once a byte of every stored object
+    was flipped in the pool (by a client without the secret), or with another secret,
+    every load fails and vLLM recomputes, exactly; nothing changed is used."""
+    import numpy as np
+
+    from hybridkv.integration.pool import process_memory_store
+
+    model = _in_process_model("llama", tmp_path_factory, monkeypatch)
+    monkeypatch.setenv("HKV_TEST_INTEGRITY", "a deployment secret, 32 bytes...")
+    monkeypatch.setenv("HKV_TEST_OTHER", "another secret of 32 bytes......")
+    extra = {
+        "store": "memory",
+        "namespace": "integrity",
+        "integrity_secret_env": "HKV_TEST_INTEGRITY",
+    }
+    cold = _run(model, extra, failure_policy="recompute")
+    assert cold[2] == 0
+    warm = _run(model, extra, failure_policy="recompute")
+    assert warm[2] == HIT
+    assert warm[:2] == cold[:2]
+    assert not warm[3].get("failed_load_blocks")
+
+    other = {**extra, "integrity_secret_env": "HKV_TEST_OTHER"}
+    wrong = _run(model, other, failure_policy="recompute")
+    assert wrong[3]["failed_load_blocks"] > 0
+    assert wrong[3]["loaded_blocks"] == wrong[3]["failed_load_blocks"]
+    assert wrong[:2] == cold[:2]
+
+    store = process_memory_store()
+    mine = {k: size for k, size in store.committed_objects().items() if "~integrity@" in k}
+    assert mine
+    for key, size in mine.items():  # flip the last byte of each, through the store
+        raw = np.zeros(size, dtype=np.uint8)
+        assert store.batch_get_whole([key], [[raw.ctypes.data]], [[size]])[0].ok
+        raw[-1] ^= 0xFF
+        assert store.batch_remove([key], force=True)[0].ok
+        assert store.batch_put_whole([key], [[raw.ctypes.data]], [[size]])[0].ok
+    tampered = _run(model, extra, failure_policy="recompute")
+    assert tampered[3]["failed_load_blocks"] > 0
+    assert tampered[3]["loaded_blocks"] == tampered[3]["failed_load_blocks"]
+    assert tampered[:2] == cold[:2]

@@ -14,7 +14,7 @@ import pytest
 from _engine_drive import MODES, LayerCheck, engine_for, load, read_object, save, unique_prefix
 from _engine_model import ALL_GROUPS, NUM_LAYERS, Caches, transfers
 
-from hybridkv.transport import store_calls
+from hybridkv.transport import mooncake_store, store_calls
 from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.engine import TransferEngine
 from hybridkv.transport.layerwise_step import LayerwiseStep
@@ -337,9 +337,13 @@ def test_many_layer_whole_objects_fit_mooncakes_per_call_piece_limit(
 
 
 def test_two_engines_over_one_cache_share_its_registration(
-    mooncake_master: MasterProcess, caplog: pytest.LogCaptureFixture
+    mooncake_master: MasterProcess,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both register the caches without a refusal; closing both frees the memory again."""
+    """Both register the caches without a refusal; closing both frees the memory again
+    (over RDMA: TCP registers nothing, so TCP stands in for it here)."""
+    monkeypatch.setattr(mooncake_store, "UNREGISTERED_PROTOCOLS", frozenset())
     caches = Caches(num_blocks=8, seed=5)
     store = MooncakeStore.connect(mooncake_config(mooncake_master.address))
     try:

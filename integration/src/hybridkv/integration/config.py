@@ -8,6 +8,7 @@ works unchanged). Anything unknown or out of range stops start-up with an error 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -15,6 +16,7 @@ import msgspec
 
 from hybridkv.integration.transfer_mode import TransferMode
 from hybridkv.transport import Granularity, MooncakeConfig, PipelineOptions, parse_size
+from hybridkv.transport.integrity import IntegrityKey
 
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
@@ -27,6 +29,7 @@ _MAX_TIMEOUT_MS = 2**31 - 1  # ZMQ's receive timeout is a C int
 MAX_SECONDS = 86_400.0
 # Namespaces are folded into every key: one this long already makes keys of ~400 B.
 MAX_NAMESPACE_CHARS = 256
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SECONDS_KEYS = ("full_pool_pause_s", "failed_load_quarantine_s")
 
 
@@ -101,6 +104,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # memory, as RL trainers do; a fine-tune the fingerprint's samples miss): folded into
     # every block hash, so instances share KV only with the same weights_version.
     weights_version: str = ""
+    # The name of an environment variable holding a deployment secret (never the secret):
+    # set, every object carries a keyed BLAKE2b tag over its key and bytes, checked on
+    # load (see docs/security.md). Needs host caches and whole-object transfers.
+    integrity_secret_env: str = ""
     # AscendStoreConnector's backend selector; only Mooncake is offered.
     backend: Literal["mooncake"] = "mooncake"
     # "memory" is an in-process store for tests: it cannot share KV between processes.
@@ -149,6 +156,18 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "HybridKVConnector yet (remove the keys or use prefill_pp_size 1; an "
                 "instance's own pipeline_parallel_size is supported)"
             )
+        if self.integrity_secret_env:
+            if not _ENV_NAME.fullmatch(self.integrity_secret_env):
+                raise ValueError(
+                    "integrity_secret_env must name an environment variable that holds the "
+                    "secret (letters, digits, '_'), never the secret itself"
+                )
+            IntegrityKey.from_env(self.integrity_secret_env)  # refused now if unset or short
+            if self.granularity == "layer":
+                raise ValueError(
+                    "integrity_secret_env: tagged objects move whole, and granularity 'layer' "
+                    "reads them in ranges: use 'auto', 'staged' or 'group'"
+                )
         if self.lookup_rpc_port and self.mooncake_rpc_port:
             raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")
         for key in _SECONDS_KEYS:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from hybridkv.integration.config import ConnectorConfig, mooncake_config_from_env
 from hybridkv.integration.versions import startup_line
 from hybridkv.transport import MasterProcess, MemoryStore, MooncakeConfig, MooncakeStore, Store
+from hybridkv.transport.integrity import IntegrityKey, TaggedStore
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Pool:
     store: Store
     master: MasterProcess | None = None
     master_address: str = ""  # "" for the memory store
+    # The process's memory store, which in-process instances share: never closed.
+    shared: bool = False
     # Pieces are cheap over RDMA (they cost ~30-40 us each over TCP): see
     # `transfer_mode.granularity`.
     rdma: bool = False
@@ -69,7 +72,7 @@ class Pool:
         """`store_idle=False`: a call of ours may still run in the store, which is then
         left open to the process's exit (closing it under a call crashes Mooncake)."""
         try:
-            if store_idle and not isinstance(self.store, MemoryStore):
+            if store_idle and not self.shared:
                 self.store.close()
         finally:
             if self.master is not None:
@@ -87,15 +90,23 @@ def _refuse_stages(pp_size: int, store: str) -> None:
 def open_pool(
     config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_size: int = 1
 ) -> Pool:
-    """The store this worker uses, started as the configuration asks; TP rank 0 logs the
-    versions that run and the master it uses (`_open_pool`)."""
-    pool = _open_pool(config, tp_rank, broadcast, pp_size)
+    """The store this worker uses, its objects tagged where `integrity_secret_env` asks it;
+    TP rank 0 logs the versions that run and the master it uses."""
+    pool = _open_store_pool(config, tp_rank, broadcast, pp_size)
+    if config.integrity_secret_env:
+        try:
+            pool.store = TaggedStore(pool.store, IntegrityKey.from_env(config.integrity_secret_env))
+        except BaseException:
+            pool.close()
+            raise
     if tp_rank == 0:
         logger.info(startup_line(pool.master_address or "none (memory store)"))
     return pool
 
 
-def _open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_size: int) -> Pool:
+def _open_store_pool(
+    config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_size: int
+) -> Pool:
     """The store this worker uses, started as the configuration asks.
 
     Every rank meets the others in `broadcast` once: rank 0 sends the master it uses,
@@ -106,7 +117,7 @@ def _open_pool(config: ConnectorConfig, tp_rank: int, broadcast: Broadcast, pp_s
     """
     if config.store == "memory":
         _refuse_stages(pp_size, "the memory store")
-        return Pool(process_memory_store())
+        return Pool(process_memory_store(), shared=True)
     mooncake = mooncake_config_from_env()
     if mooncake is None:
         _refuse_stages(pp_size, "an embedded master")

@@ -76,6 +76,11 @@ def granularity(config: ConnectorConfig, device: str, rdma: bool, contiguous: bo
     layer moves while the next one computes.
     """
     on_host = device.split(":", 1)[0] == "cpu"
+    if config.integrity_secret_env and not on_host:
+        raise ValueError(
+            f"integrity_secret_env: tags are computed by the CPU over host memory and "
+            f"cannot cover caches on {device!r}: unset it there"
+        )
     if config.granularity == "staged" and not on_host:
         raise ValueError(
             f"granularity 'staged' copies through host memory with the CPU and cannot "

@@ -24,6 +24,9 @@ class Status(enum.Enum):
     TRANSFER_FAILED = -800  # TRANSFER_FAIL: the segment holding the bytes is gone
     RPC_FAILED = -900  # RPC_FAIL: the master cannot be reached
     OTHER = -1  # INTERNAL_ERROR and every code hybridkv has no better name for
+    # hybridkv's own, never Mooncake's: the object's integrity tag does not vouch for the
+    # bytes read (changed in the pool, or written with another secret or none)
+    TAG_MISMATCH = -10_000
 
     @property
     def ok(self) -> bool:

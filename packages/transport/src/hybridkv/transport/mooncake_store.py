@@ -48,6 +48,9 @@ MASTER_RECHECK_INTERVAL_S = 0.5
 # Characters Mooncake's (ECMAScript) regex treats specially: escaped to match a prefix.
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
 _RPC_FAILED = Status.RPC_FAILED.value
+# Protocols whose transfers need no registered memory on this side: registering there
+# would only open the memory to every peer that reaches the transfer port.
+UNREGISTERED_PROTOCOLS = frozenset({"tcp"})
 
 
 class MooncakeStore:
@@ -66,6 +69,7 @@ class MooncakeStore:
         self._master_checked_at = 0.0
         self._registering = threading.Lock()
         self._registered: dict[int, list[int]] = {}  # address -> [size, registrations]
+        self._registers = config.protocol not in UNREGISTERED_PROTOCOLS
 
     @classmethod
     def connect(cls, config: MooncakeConfig) -> MooncakeStore:
@@ -111,7 +115,13 @@ class MooncakeStore:
 
     def register_buffer(self, ptr: int, size: int) -> None:
         """Register once per region: Mooncake refuses a region it already has (-600), but
-        two engines over the same caches each register them, so repeats are counted."""
+        two engines over the same caches each register them, so repeats are counted.
+
+        Over TCP nothing is registered: this client's own puts and gets need no
+        registration there, and registered memory is what any process reaching the
+        transfer port may write into (docs/security.md). RDMA needs it (memory regions)."""
+        if not self._registers:
+            return
         with self._registering:
             held = self._registered.get(ptr)
             if held is not None and size <= held[0]:
@@ -125,6 +135,8 @@ class MooncakeStore:
 
     def unregister_buffer(self, ptr: int) -> None:
         """Release one registration; the region leaves Mooncake with its last one."""
+        if not self._registers:
+            return
         with self._registering:
             held = self._registered.get(ptr)
             if held is not None and held[1] > 1:
