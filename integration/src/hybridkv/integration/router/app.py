@@ -106,9 +106,13 @@ class Router:
         )
 
     async def _relay(self, reply: httpx.Response) -> AsyncIterator[bytes]:
-        """The decode server's bytes as they arrive (server-sent events unchanged)."""
-        async for chunk in reply.aiter_raw():
-            yield chunk
+        """The decode server's bytes as they arrive (server-sent events unchanged); its
+        connection is released however the relay ends (a client gone mid-stream too)."""
+        try:
+            async for chunk in reply.aiter_raw():
+                yield chunk
+        finally:
+            await reply.aclose()
 
     async def models(self) -> Response:
         decode = self.decode.next()
