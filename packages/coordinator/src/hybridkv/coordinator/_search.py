@@ -17,6 +17,7 @@ block (a probe asks one). Loading that block then fails, and vLLM recomputes the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,8 +28,9 @@ from hybridkv.coordinator._readable import Masks, require_bools
 if TYPE_CHECKING:
     from hybridkv.coordinator._coordinator import Coordinator, Hit
 
-#: Blocks one probe round asks per whole-prefix group.
+#: Blocks one probe round asks at least, and a range it asks whole (see `_points`).
 FAN = 64
+SWEEP = 512
 #: Confirm rounds before the search asks every remaining block (bounded round trips where
 #: confirmations keep failing, e.g. a head missing from a long run of blocks).
 CONFIRM_ROUNDS = 3
@@ -91,11 +93,15 @@ class HitSearch:
         self._confirmed: list[dict[int, bool]] = [{} for _ in groups]
         # Whole-prefix group -> [lo, hi): blocks below lo probed readable, hi the first
         # probed miss (or the end of what a hit could need); searched until lo == hi.
+        # Probed: the first (the others' runs end where it does in a pool kept whole,
+        # which their confirmed last block checks).
         self._runs = {
             group: [self._local[group], self._lengths[group]]
             for group, kind in enumerate(groups)
             if kind.needs_whole_prefix
         }
+        for group in list(self._runs)[1:]:
+            del self._runs[group]
         # Whole-prefix groups searched with every head asked (see `answer`).
         self._confirming: set[int] = set()
         self._rounds = 0
@@ -151,12 +157,14 @@ class HitSearch:
                 run[0] = block + 1
         if sampled or self._rounds > CONFIRM_ROUNDS:  # a search round, or every block asked
             return
+        groups = self._coordinator.groups
         for group, block in asks.confirms:
-            if self._confirmed[group][block] or group not in self._runs:
+            if self._confirmed[group][block] or not groups[group].needs_whole_prefix:
                 continue
             if group not in self._confirming:
-                # Its probed run is wrong about other heads (a head stored less than head
-                # 0): search it again, every head asked, below the miss.
+                # Its run ends below the probed one (another head stored less than head
+                # 0, or another group less than the probed one): search it, every head
+                # asked, below the miss.
                 self._confirming.add(group)
                 self._runs[group] = [self._local[group], block]
 
@@ -276,7 +284,10 @@ class HitSearch:
 
 
 def _points(lo: int, hi: int) -> list[int]:
-    """Up to `FAN` blocks of [lo, hi), spread evenly, both ends included."""
-    if hi - lo <= FAN:
+    """Blocks of [lo, hi): all of a range up to `SWEEP`, else `FAN` or the square root of
+    the range where more, spread evenly, both ends included, so that two rounds find the
+    end of a run of up to a million blocks (a round trip costs more than the keys)."""
+    if hi - lo <= SWEEP:
         return list(range(lo, hi))
-    return sorted({lo + i * (hi - 1 - lo) // (FAN - 1) for i in range(FAN)})
+    fan = max(FAN, math.isqrt(hi - lo - 1) + 1)
+    return sorted({lo + i * (hi - 1 - lo) // (fan - 1) for i in range(fan)})
