@@ -3,10 +3,12 @@
 `lookup_mask` and one query decide any hit exactly, at a cost linear in the prompt (times
 heads and groups). A pool that keeps prefixes whole holds, in each group that needs the
 whole prefix (full attention), a run of blocks from block 0, so the run's end can be
-searched: `HitSearch` probes those groups (one cheap question per block, `FAN` blocks per
-round: about log_65 of the blocks in rounds), then confirms with full questions only the
-blocks the hit depends on: each whole-prefix group's last needed block, and every needed
-block of the other kinds (window tails, state snapshots, chunks). Sans-I/O in h11's style:
+searched: `HitSearch` probes the first such group (one cheap question per block; two
+rounds find the end of a run of up to a million blocks, see `_points`), then confirms
+with full questions only the blocks the hit depends on: each whole-prefix group's last
+needed block, and every needed block of the other kinds (window tails, state snapshots,
+chunks). A whole-prefix group whose last block misses is searched again, every head
+asked. After `CONFIRM_ROUNDS` the rest is asked at once. Sans-I/O in h11's style:
 `next_asks` says what to ask, `answer` takes the answers, until `next_asks` is None.
 
 The hit is never smaller than the exact one. It is larger only where a whole-prefix block
