@@ -25,7 +25,7 @@ from scheduler_rig import (
 from hybridkv.integration import hit_finder
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
-from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.scheduler import SchedulerSide
 
 
@@ -290,3 +290,64 @@ def test_a_reader_finds_what_a_writer_stored_whole_blocks_and_tails(
     expected = max([whole, *(t for t in tails if whole < t <= usable and t < whole + 32)])
     got, _ = side.num_new_matched_tokens(request("r", reader), 0)
     assert got == expected
+
+
+def _searching(monkeypatch: Any) -> None:
+    """Every lookup searches (however few keys the exact one would ask)."""
+    monkeypatch.setattr(hit_finder, "EXACT_LOOKUP_KEYS", 0)
+
+
+LONG = list(range(100, 100 + 32 * 1000 + 8))  # 1,000 full blocks of 32: more than a probe round
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.integers(0, len(LONG)), st.integers(0, len(LONG)))
+def test_a_long_lookup_searches_the_same_hit_with_far_fewer_keys(
+    vllm_specs: Any, monkeypatch: Any, stored: int, both_heads: int
+) -> None:
+    """Head 0 stored `stored` tokens, head 1 `both_heads`: the search confirms every head
+    of the block it stops at, so it finds the exact hit of a prefix-closed pool."""
+    _searching(monkeypatch)
+    shape = ModelShape(tp_size=4, total_kv_heads=2)
+    side, pool = make_side(vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape)
+    put_blocks(side, pool, LONG, [0], stored)
+    put_blocks(side, pool, LONG, [1], min(stored, both_heads))
+    asked: list[int] = []
+    answered = pool.query
+
+    def counting(keys: Sequence[str]) -> list[bool] | None:
+        asked.append(len(keys))
+        return answered(keys)
+
+    side._hits.query = counting
+    hit, _ = side.num_new_matched_tokens(request("r", LONG), 0)
+    assert hit == min(stored, both_heads, len(LONG) - 1) // 32 * 32
+    exact_keys = 2 * 1000  # 2 heads x 1,000 blocks
+    # Heads that disagree: the second is searched with every head asked (up to 512 blocks).
+    assert sum(asked) < (exact_keys if both_heads < stored else exact_keys // 10)
+
+
+def test_while_keys_are_quarantined_lookups_are_exact(vllm_specs: Any, monkeypatch: Any) -> None:
+    """A search confirms head 1 only at the block it stops at: a block in the middle whose
+    head 1 failed to load would be offered again (and fail again) unless the lookups of a
+    quarantine ask every key."""
+    _searching(monkeypatch)
+    shape = ModelShape(tp_size=2, total_kv_heads=2)
+    side, pool = make_side(vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape)
+    put_blocks(side, pool, LONG, [0, 1], len(LONG))
+    full = (len(LONG) - 1) // 32 * 32
+    assert side.num_new_matched_tokens(request("r", LONG), 0) == (full, False)
+    hashes = hit_finder_hashes(side, LONG)
+    failed = side.keys.keys(0, [hashes[100]], [1])  # head 1 of block 100
+    pool.keys.difference_update(failed)
+    assert side.num_new_matched_tokens(request("r", LONG), 0) == (full, False)  # documented
+    side.loads_failed({"r"}, failed)
+    assert side.num_new_matched_tokens(request("r", LONG), 0) == (100 * 32, False)
+
+
+def hit_finder_hashes(side: SchedulerSide, tokens: list[int]) -> list[bytes]:
+    hashes = RequestHashes(side.plan, "", None)
+    hashes.cover(tokens, len(tokens))
+    return list(hashes.for_group(side.plan.groups[0].block_size))

@@ -1,11 +1,14 @@
 """How much of a prompt the pool holds: the pool queries of a lookup, and the hit.
 
-The hit is the coordinator's: it asks which blocks any hit could need (`lookup_mask`),
-learns their readability in ONE batched query, and picks the largest boundary every group
-can serve (`find_hit`). Where vLLM's own prefix cache hits inside blocks, further queries
-ask whether prompt tails (partial objects, named by the prefix's hash) extend that
-aligned hit. Every query about many keys goes through `_every_head_readable`: the one
-place that asks the pool.
+The hit is the coordinator's. A lookup of at most `EXACT_LOOKUP_KEYS` keys asks about
+every block any hit could need (`lookup_mask`) in ONE batched query and picks the largest
+boundary every group can serve (`find_hit`). A longer one runs the coordinator's
+`HitSearch`: a few small queries, a probe of one head per block where the search bisects a
+full-attention group, every storing head of the blocks the hit depends on; while keys are
+quarantined (a load failed), every lookup is exact. Where vLLM's own prefix cache hits
+inside blocks, further queries ask whether prompt tails (partial objects, named by the
+prefix's hash) extend that aligned hit. Every query goes through `_objects_readable`: the
+one place that asks the pool.
 """
 
 from __future__ import annotations
@@ -16,12 +19,18 @@ from itertools import groupby
 from operator import itemgetter
 from typing import Any
 
-from hybridkv.coordinator import Coordinator, Hit, Masks, marked_blocks, scatter_readable
+from hybridkv.coordinator import Asks, Coordinator, Hit, HitSearch, Masks
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.quarantine import Quarantine
 from hybridkv.integration.tracked_requests import TrackedRequest
 
 logger = logging.getLogger(__name__)
+
+# Lookups asking at most this many keys ask them all in one query (exact): below it, the
+# search's round trips cost more than the keys they save.
+EXACT_LOOKUP_KEYS = 2048
+# The head a probe asks about (every group stores head 0's objects).
+PROBE_HEADS = range(1)
 
 # Tail boundaries a lookup asks about: the largest whose whole blocks are readable (and
 # those inside the block after the aligned hit besides).
@@ -75,12 +84,19 @@ class HitFinder:
         known = request.num_tokens
         max_tokens = known - 1
         tracked.hashes.cover(request.all_token_ids, known)
-        mask = self._coordinator.lookup_mask(max_tokens, known, self._tail_unit)
-        readable = self._readable(tracked, mask, num_computed)
-        if readable is None:
-            return None
-        aligned = hit = self._coordinator.find_hit(max_tokens, readable, known)
+        search = self._coordinator.search(max_tokens, known, num_computed, self._tail_unit)
+        if len(self.quarantine) or self._keys_asked(search) <= EXACT_LOOKUP_KEYS:
+            search.ask_all()
+        self.lookups += 1
+        while (asks := search.next_asks()) is not None:
+            answers = self._ask(tracked, asks)
+            if answers is None:
+                self.failed_lookups += 1
+                return None
+            search.answer(*answers)
+        aligned = hit = search.hit
         if self._tail_unit:
+            readable = search.readable()
             hit = self._extend_by_tail(tracked, hit, readable, max_tokens, num_computed)
         return hit, aligned
 
@@ -97,31 +113,30 @@ class HitFinder:
         # reported): one object, counted once.
         self.quarantined_keys += self.quarantine.add(keys)
 
-    def _readable(self, tracked: TrackedRequest, mask: Masks, local: int) -> Masks | None:
-        """Readability of the masked blocks; blocks vLLM already holds count as readable
-        (and are not asked about)."""
+    def _keys_asked(self, search: HitSearch) -> int:
+        """At most the keys of the exact lookup: every storing head and stage of each
+        block."""
         groups = self._plan.groups
-        asked = tuple(
-            tuple(
-                marked and (block + 1) * plan.block_size > local
-                for block, marked in enumerate(marks)
-            )
-            for plan, marks in zip(groups, mask, strict=True)
+        return self._keys.stages * sum(
+            blocks * groups[group].heads.storing
+            for group, blocks in enumerate(search.most_blocks())
         )
-        batches: list[tuple[int, list[bytes]]] = []
-        for group, blocks in groupby(marked_blocks(asked), key=itemgetter(0)):
-            hashes = tracked.hashes.for_group(groups[group].block_size)
-            batches.append((group, [hashes[block] for _, block in blocks]))
-        self.lookups += 1
-        answers = self._every_head_readable(batches)
+
+    def _ask(self, tracked: TrackedRequest, asks: Asks) -> tuple[list[bool], list[bool]] | None:
+        """One query for a search round: probes ask one head, confirmations every
+        storing head (None if the query failed)."""
+        groups = self._plan.groups
+        batches: list[tuple[int, list[bytes], Sequence[int]]] = []
+        for blocks, probing in ((asks.probes, True), (asks.confirms, False)):
+            for group, run in groupby(blocks, key=itemgetter(0)):
+                hashes = tracked.hashes.for_group(groups[group].block_size)
+                heads = PROBE_HEADS if probing else groups[group].heads.heads
+                batches.append((group, [hashes[block] for _, block in run], heads))
+        answers = self._objects_readable(batches)
         if answers is None:
-            self.failed_lookups += 1
             return None
-        held = scatter_readable(asked, [ok for column in answers for ok in column])
-        return tuple(
-            tuple(ok or (block + 1) * plan.block_size <= local for block, ok in enumerate(column))
-            for plan, column in zip(groups, held, strict=True)
-        )
+        flat = [ok for column in answers for ok in column]
+        return flat[: len(asks.probes)], flat[len(asks.probes) :]
 
     def _extend_by_tail(
         self, tracked: TrackedRequest, hit: Hit, readable: Masks, max_tokens: int, local: int
@@ -167,11 +182,22 @@ class HitFinder:
     def _every_head_readable(
         self, batches: Sequence[tuple[int, Sequence[bytes]]]
     ) -> list[list[bool]] | None:
-        """Per (plan group, block hashes) batch, whether each hash's objects are readable,
-        learnt in ONE query (None if it failed): usable only if EVERY storing head's is."""
+        """Per (plan group, block hashes) batch, whether every storing head's objects of
+        each hash are readable, learnt in ONE query (None if it failed)."""
+        groups = self._plan.groups
+        return self._objects_readable(
+            [(group, hashes, groups[group].heads.heads) for group, hashes in batches]
+        )
+
+    def _objects_readable(
+        self, batches: Sequence[tuple[int, Sequence[bytes], Sequence[int]]]
+    ) -> list[list[bool]] | None:
+        """Per (plan group, block hashes, heads) batch, whether each hash's objects of
+        those heads (every stage's) are all readable, learnt in ONE query (None if it
+        failed). Quarantined keys count as absent."""
         keys: list[str] = []
-        for group, hashes in batches:
-            keys.extend(self._keys.keys(group, hashes, self._plan.groups[group].heads.heads))
+        for group, hashes, heads in batches:
+            keys.extend(self._keys.keys(group, hashes, heads))
         answers = self.query(keys) if keys else []
         if answers is None:
             return None
@@ -179,9 +205,9 @@ class HitFinder:
         answers = [ok and not out for ok, out in zip(answers, held, strict=True)]
         readable: list[list[bool]] = []
         position = 0
-        for group, hashes in batches:
-            heads = self._plan.groups[group].heads.storing * self._keys.stages
-            stop = position + heads * len(hashes)
-            readable.append([all(answers[at : at + heads]) for at in range(position, stop, heads)])
+        for _, hashes, heads in batches:
+            width = len(heads) * self._keys.stages
+            stop = position + width * len(hashes)
+            readable.append([all(answers[at : at + width]) for at in range(position, stop, width)])
             position = stop
         return readable

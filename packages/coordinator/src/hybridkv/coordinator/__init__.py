@@ -10,13 +10,16 @@ from hybridkv.coordinator._kinds import (
     SlidingWindow,
 )
 from hybridkv.coordinator._readable import Masks, marked_blocks, scatter_readable
+from hybridkv.coordinator._search import Asks, HitSearch
 
 __all__ = [
+    "Asks",
     "ChunkedLocal",
     "Coordinator",
     "FullAttention",
     "GroupKind",
     "Hit",
+    "HitSearch",
     "Masks",
     "Readable",
     "RecurrentState",

@@ -61,6 +61,28 @@ class CallableColumn:
         return None
 
 
+class SearchedColumn:
+    """A column a search learnt a few blocks of: readable below `run`, unreadable from
+    there, except the blocks `answers` knows. Asked in time linear in the answers, not
+    the column's length (a million-token prompt has 65,536 blocks of 16 tokens)."""
+
+    __slots__ = ("_answers", "_misses", "_run")
+
+    def __init__(self, run: int, answers: Mapping[int, bool]) -> None:
+        self._run = run
+        self._answers = answers
+        self._misses = sorted(block for block, ok in answers.items() if not ok)
+
+    def first_miss(self, first: int, stop: int) -> int | None:
+        miss = next((block for block in self._misses if first <= block < stop), None)
+        beyond = max(first, self._run)  # the first block past the run not known readable
+        while beyond < stop and self._answers.get(beyond, False):
+            beyond += 1
+        if beyond < stop and (miss is None or beyond < miss):
+            return beyond
+        return miss
+
+
 class Descending:
     """A column asked about block ranges whose ends never grow (tail boundaries, largest
     first): blocks already found readable below the current end are not scanned again, so

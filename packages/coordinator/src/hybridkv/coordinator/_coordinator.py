@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hybridkv.coordinator._columns import Column, Descending, Readable, columns_of
 from hybridkv.coordinator._kinds import GroupKind
 from hybridkv.coordinator._readable import Masks
+from hybridkv.coordinator._search import HitSearch
 from hybridkv.coordinator._tails import (
     ends_inside_every_block,
     last_tail,
@@ -184,7 +185,11 @@ class Coordinator:
         boundary in between would still need that block.
         """
         top = self.max_boundary(max_tokens, known_tokens)
-        columns = self._columns(top, readable)
+        tokens = self._boundary_in(top, self._columns(top, readable))
+        return Hit(tokens, self._needed_masks(tokens))
+
+    def _boundary_in(self, top: int, columns: Sequence[Column]) -> int:
+        """`find_hit`'s boundary, from columns in hand (`HitSearch` brings its own)."""
         tokens = top
         agreed = 0
         group = 0
@@ -193,7 +198,7 @@ class Coordinator:
             agreed = agreed + 1 if lower == tokens else 1
             tokens = lower
             group = (group + 1) % len(self._groups)
-        return Hit(tokens, self._needed_masks(tokens))
+        return tokens
 
     def lookup_mask(
         self, max_tokens: int, known_tokens: int | None = None, tail_unit: int = 0
@@ -255,6 +260,10 @@ class Coordinator:
             )
             for group in range(len(self._groups))
         )
+
+    def hit_at(self, tokens: int) -> Hit:
+        """The hit at aligned boundary `tokens`, with its `load_mask`."""
+        return Hit(tokens, self.load_mask(tokens))
 
     def load_mask(self, tokens: int) -> Masks:
         """Blocks needed at exactly boundary `tokens`."""
@@ -324,6 +333,26 @@ class Coordinator:
                 f"tokens {tokens} does not end inside a block of every group "
                 f"(block sizes {[group.block_size for group in self._groups]})"
             )
+
+    def search(
+        self,
+        max_tokens: int,
+        known_tokens: int | None = None,
+        local_tokens: int = 0,
+        tail_unit: int = 0,
+    ) -> HitSearch:
+        """`find_hit` learnt over a few small queries instead of one about every block
+        `lookup_mask` marks (see `HitSearch`)."""
+        return HitSearch(self, max_tokens, known_tokens, local_tokens, tail_unit)
+
+    def tails_possible(self, tail_unit: int) -> bool:
+        """Whether `tail_boundaries` can find any tail with this unit."""
+        return self._tail_unit(tail_unit) > 0
+
+    def reach(self, group: int, tokens: int) -> tuple[int, int]:
+        """Blocks `[first, stop)` of `group` a hit at `tokens` (> 0) needs, EAGLE's
+        dropped block included."""
+        return self._reach(group, tokens)
 
     def _reach(self, group: int, tokens: int) -> tuple[int, int]:
         """Blocks `[first, stop)` that must be readable for a hit at `tokens` (> 0)."""

@@ -48,6 +48,9 @@ class GroupKind(ABC):
     #: written in place as a chunk runs: a chunk crossing its end leaves the state further
     #: on, not at the end (Mamba "align" snapshots).
     holds_state: ClassVar[bool]
+    #: Every boundary needs the whole prefix, so a pool kept prefix-closed holds a run of
+    #: the group's blocks from block 0: the one kind whose boundary a search can bisect.
+    needs_whole_prefix: ClassVar[bool]
 
     def __post_init__(self) -> None:
         _require_positive(type(self).__name__, "block_size", self.block_size)
@@ -83,6 +86,7 @@ class FullAttention(GroupKind):
     drops_eagle_block: ClassVar[bool] = True
     keeps_passed_blocks: ClassVar[bool] = True
     holds_state: ClassVar[bool] = False
+    needs_whole_prefix: ClassVar[bool] = True
 
     def first_token_needed(self, tokens: int) -> int:
         return 0
@@ -103,6 +107,7 @@ class SlidingWindow(GroupKind):
     drops_eagle_block: ClassVar[bool] = True
     keeps_passed_blocks: ClassVar[bool] = False
     holds_state: ClassVar[bool] = False
+    needs_whole_prefix: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         GroupKind.__post_init__(self)
@@ -126,6 +131,7 @@ class ChunkedLocal(GroupKind):
     drops_eagle_block: ClassVar[bool] = True
     keeps_passed_blocks: ClassVar[bool] = False
     holds_state: ClassVar[bool] = False
+    needs_whole_prefix: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         GroupKind.__post_init__(self)
@@ -151,6 +157,7 @@ class RecurrentState(GroupKind):
     drops_eagle_block: ClassVar[bool] = False
     keeps_passed_blocks: ClassVar[bool] = False
     holds_state: ClassVar[bool] = True
+    needs_whole_prefix: ClassVar[bool] = False
 
     def first_token_needed(self, tokens: int) -> int:
         return tokens - 1
