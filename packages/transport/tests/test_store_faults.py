@@ -226,14 +226,56 @@ def test_dead_holder_fails_reads_fast_without_garbage(
         store.close()
 
 
-def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
-    start_mooncake_master: StartMaster, monkeypatch: pytest.MonkeyPatch
+def test_a_stalled_holder_fails_transfers_within_the_store_timeout_and_writes_nothing_late(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder
 ) -> None:
-    """A stalled master times the client's calls out (Mooncake's RPC_TIMEOUT, -901): no
-    answer, as with a master that is gone, not a missing or failed object."""
-    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "1000")
+    """A holder that stops answering (SIGSTOP) held a get or a put for Mooncake's 30 s;
+    now `store_timeout_s`. The connection is dropped, so the holder's late reply, once it
+    runs again, never lands in the reader's buffer (which vLLM may have reused)."""
     master = start_mooncake_master()
-    store = MooncakeStore.connect(mooncake_config(master.address))
+    holder = start_segment_holder(master.address, "32MB")
+    config = mooncake_config(master.address, global_segment_size=0, store_timeout_s=2)
+    store = MooncakeStore.connect(config)
+    data = np.arange(8192, dtype=np.uint8)
+    try:
+        whole, half_written = keys_of("stalled-holder", 2)
+        assert put_all(store, [whole], data) == [OK]
+        assert store.put_session_start([half_written], [8192]) == [OK]
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            wait_stopped(holder.pid)
+            started = time.monotonic()
+            status, out = get_one(store, whole, 8192)
+            read_s = time.monotonic() - started
+            write_status = store.put_ranges([half_written], [[data.ctypes.data]], [[8192]], [[0]])
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        print(f"against a stalled holder: get {status.name} in {read_s:.2f} s, ranged put "
+              f"{write_status[0].name}, both in {elapsed:.2f} s")  # fmt: skip
+        assert status is Status.TRANSFER_FAILED
+        assert write_status == [Status.TRANSFER_FAILED]
+        assert elapsed < 30  # each alone took Mooncake's 30 s before
+        time.sleep(1)  # the holder runs again: nothing of its late reply arrives
+        assert (out == 0xAB).all()
+
+        assert store.put_session_revoke([half_written]) == [OK]
+        assert store.batch_is_readable([half_written]) == [False]
+        status, out = get_one(store, whole, 8192)  # the holder is back, its object intact
+        assert status is OK
+        assert np.array_equal(out, data)
+    finally:
+        store.close()
+
+
+def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
+    start_mooncake_master: StartMaster,
+) -> None:
+    """A stalled master times the client's calls out (Mooncake's RPC_TIMEOUT, -901, after
+    `store_timeout_s`): no answer, as with a master that is gone, not a missing or failed
+    object."""
+    master = start_mooncake_master()
+    store = MooncakeStore.connect(mooncake_config(master.address, store_timeout_s=1))
     data = np.arange(4096, dtype=np.uint8)
     stored = keys_of("stalled", 1)
     try:
