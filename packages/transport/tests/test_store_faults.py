@@ -5,20 +5,17 @@ Each must end in a typed status, quickly, with nothing half-written readable aft
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 
 import numpy as np
 import pytest
-from _proc import wait_stopped
 
 from hybridkv.transport.errors import Status, StoreUnavailable, raise_on_failure
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.store import Store
-from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
+from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config, stalled
 
 OK = Status.OK
 
@@ -241,16 +238,12 @@ def test_a_stalled_holder_fails_transfers_within_the_store_timeout_and_writes_no
         whole, half_written = keys_of("stalled-holder", 2)
         assert put_all(store, [whole], data) == [OK]
         assert store.put_session_start([half_written], [8192]) == [OK]
-        os.kill(holder.pid, signal.SIGSTOP)
-        try:
-            wait_stopped(holder.pid)
+        with stalled(holder.pid):
             started = time.monotonic()
             status, out = get_one(store, whole, 8192)
             read_s = time.monotonic() - started
             write_status = store.put_ranges([half_written], [[data.ctypes.data]], [[8192]], [[0]])
             elapsed = time.monotonic() - started
-        finally:
-            os.kill(holder.pid, signal.SIGCONT)
         print(f"against a stalled holder: get {status.name} in {read_s:.2f} s, ranged put "
               f"{write_status[0].name}, both in {elapsed:.2f} s")  # fmt: skip
         assert status is Status.TRANSFER_FAILED
@@ -280,13 +273,9 @@ def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
     stored = keys_of("stalled", 1)
     try:
         assert put_all(store, stored, data) == [OK]
-        os.kill(master.pid, signal.SIGSTOP)
-        try:
-            wait_stopped(master.pid)  # else a thread not yet stopped may still answer
+        with stalled(master.pid):
             with pytest.raises(StoreUnavailable, match="batch_is_readable of 'fault-stalled"):
                 store.batch_is_readable(stored)
             assert store.get_session_start(stored) == [Status.RPC_FAILED]
-        finally:
-            os.kill(master.pid, signal.SIGCONT)
     finally:
         store.close()
