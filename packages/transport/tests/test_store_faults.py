@@ -5,6 +5,9 @@ Each must end in a typed status, quickly, with nothing half-written readable aft
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
@@ -256,6 +259,65 @@ def test_a_stalled_holder_fails_transfers_within_the_store_timeout_and_writes_no
         assert store.batch_is_readable([half_written]) == [False]
         status, out = get_one(store, whole, 8192)  # the holder is back, its object intact
         assert status is OK
+        assert np.array_equal(out, data)
+    finally:
+        store.close()
+
+
+HALF_WRITER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from hybridkv.transport.mooncake_store import MooncakeStore
+    from hybridkv.transport.testing import mooncake_config
+
+    address, key = sys.argv[1:]
+    store = MooncakeStore.connect(mooncake_config(address, global_segment_size=0))
+    data = np.full(8192, 0x11, dtype=np.uint8)
+    assert [s.name for s in store.put_session_start([key], [8192])] == ["OK"]
+    statuses = store.put_ranges([key], [[data.ctypes.data]], [[4096]], [[0]])
+    assert [s.name for s in statuses] == ["OK"]
+    print("half written", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_writer_killed_inside_a_put_session_leaves_nothing_readable(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder
+) -> None:
+    """A writer SIGKILLed with half of an object written (its put session open, never
+    ended): no reader ever sees a byte of it; the key stays taken (a put of it is a
+    no-op) until the master discards the unfinished put (`put_start_discard_timeout_sec`,
+    30 s by default, 2 s here), after which it is stored whole again."""
+    master = start_mooncake_master(client_ttl_s=2, extra_args=["--put_start_discard_timeout_sec=2"])
+    start_segment_holder(master.address, "32MB")
+    key = keys_of("killed-writer", 1)[0]
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HALF_WRITER, master.address, key],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "half written\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    store = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
+    data = np.arange(8192, dtype=np.uint8)
+    try:
+        started, seen = time.monotonic(), []
+        while True:
+            status, out = get_one(store, key, 8192)
+            if status is OK:
+                break
+            seen.append(status.name)
+            assert (out == 0xAB).all()  # not a byte of the half-written object
+            assert store.batch_is_readable([key]) == [False]
+            put_all(store, [key], data)  # a no-op while the dead writer's put holds it
+            assert time.monotonic() < started + 30, f"the key never came free: {set(seen)}"
+            time.sleep(0.5)
+        print(f"killed writer's key: gets {sorted(set(seen))}, stored whole after "
+              f"{time.monotonic() - started:.1f} s")  # fmt: skip
         assert np.array_equal(out, data)
     finally:
         store.close()
