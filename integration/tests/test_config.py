@@ -85,6 +85,12 @@ def test_every_key_is_accepted() -> None:
         ({"full_pool_pause_s": 1e300}, "full_pool_pause_s must be at most 86400 seconds"),
         ({"failed_load_quarantine_s": 1e300}, "failed_load_quarantine_s must be at most 86400"),
         ({"full_pool_pause_s": float("nan")}, "full_pool_pause_s"),
+        ({"lookup_probe_backoff_s": 0}, "lookup_probe_backoff_s"),
+        ({"lookup_probe_max_backoff_s": 1e300}, "lookup_probe_max_backoff_s must be at most"),
+        (
+            {"lookup_probe_backoff_s": 5, "lookup_probe_max_backoff_s": 2},
+            r"lookup_probe_backoff_s \(5.0\) must be at most lookup_probe_max_backoff_s \(2.0\)",
+        ),
         # '~' separates the namespace from the model in keys (see keying.scoped_model).
         ({"namespace": "a~b"}, "namespace must be printable, without '@', '/' or '~'"),
         ({"namespace": "n" * 257}, "namespace must be at most 256 characters"),

@@ -196,6 +196,7 @@ def test_a_stalled_master_costs_the_scheduler_one_lookup_timeout_not_one_per_per
             finally:
                 os.kill(master.pid, signal.SIGCONT)
             _, resumed = _lookups_for(client, keys, PROBE_CAP_S + 2 * TIMEOUT_MS / 1000 + 3)
+            stats, again = client.take_stats(), client.take_stats()
         finally:
             client.close()
             server.close()
@@ -218,6 +219,15 @@ def test_a_stalled_master_costs_the_scheduler_one_lookup_timeout_not_one_per_per
     assert found, "lookups did not find the stored keys after the master resumed"
     print(f"blocked {blocked:.2f} s, {len(stalled)} lookups, {probes} probes, {found[0]:.1f} s")
     assert all(answer == [True, True, False] for at, answer in resumed if at >= found[0])
+    # The connector's stats tell the outage: one opening, one closing, what was skipped.
+    assert stats == {
+        "skipped_lookups": client.skipped,
+        "breaker_opened": 1,
+        "breaker_closed": 1,
+        "breaker_probes": client.breaker.probes,
+    }
+    assert stats["breaker_probes"] >= probes >= 1
+    assert set(again.values()) == {0}  # counts since the last call
 
 
 def test_a_silent_server_gets_one_probe_at_a_time_and_lookups_never_wait_again() -> None:

@@ -32,7 +32,7 @@ from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.outcome import Outcome
 from hybridkv.transport.stale_put_sessions import StaleSessions
 from hybridkv.transport.store import Pointers, Sizes
-from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
+from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config, stalled
 
 BLOCKS = {0: [0, 1], 1: [2, 3], 2: [4]}
 STAGED_OR_IN_PLACE_OR_LAYER = pytest.mark.parametrize(
@@ -993,3 +993,45 @@ def test_a_load_whose_session_end_raises_still_stands(caplog: pytest.LogCaptureF
         f"get_session_end of {len(saves)} keys failed (their pins lapse with the lease): "
         "MooncakeStore is closed"
     ]
+
+
+@STAGED_OR_IN_PLACE_OR_LAYER
+def test_a_load_from_a_stalled_holder_fails_within_the_store_timeout_and_writes_nothing_late(
+    start_mooncake_master: StartMaster,
+    start_segment_holder: StartHolder,
+    mode: str,
+    block_major: tuple[int, ...],
+) -> None:
+    """The holder stops answering (SIGSTOP) before a load: every block fails within the
+    store's deadlines (Mooncake's 30 s each before `store_timeout_s`), the store's fault
+    (quarantined), and once the holder runs again nothing of its late replies reaches the
+    caches, whose blocks vLLM would have reused by then."""
+    master = start_mooncake_master()
+    holder = start_segment_holder(master.address)
+    prefix = unique_prefix()
+    source = Caches(num_blocks=8, seed=26, block_major=block_major)
+    target = Caches(num_blocks=8, seed=27, block_major=block_major)
+    source.fill()
+    config = mooncake_config(master.address, global_segment_size=0, store_timeout_s=2)
+    store = MooncakeStore.connect(config)
+    try:
+        with engine_for(store, source, mode) as writer:
+            assert save(writer, transfers(BLOCKS, "old", prefix), mode).ok
+        loads = transfers({0: [3, 4], 1: [5, 6], 2: [7]}, "reader", prefix)
+        untouched = {(t.group, t.local_block): target.block_bytes(t.group, t.local_block)
+                     for t in loads}  # fmt: skip
+        with engine_for(store, target, mode) as reader:
+            with stalled(holder.pid):
+                started = time.monotonic()
+                loaded = load(reader, loads, mode)
+                elapsed = time.monotonic() - started
+            assert reader.outstanding("load") == 0
+            time.sleep(1)  # the holder runs again
+        print(f"{mode} load from a stalled holder failed in {elapsed:.2f} s")
+        assert loaded.failed_blocks == {0: {3, 4}, 1: {5, 6}, 2: {7}}
+        assert sorted(loaded.blamed_keys) == sorted(t.key for t in loads)
+        assert elapsed < 30
+        for (group, block), before in untouched.items():
+            assert target.block_bytes(group, block) == before
+    finally:
+        store.close()

@@ -74,6 +74,20 @@ def test_a_bind_address_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) ->
     assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.2"
 
 
+def test_the_store_timeout_sets_each_of_mooncake_s_deadlines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mooncake waits 30 s for a master's reply or a holder's transfer; each client reads
+    its deadlines at setup, so the config's, not whatever an earlier client left, apply."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "30000")
+    for variable in ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TCP_PROGRESS_TIMEOUT_SEC"):
+        monkeypatch.setenv(variable, "30")
+    prepare_environment(mooncake_config("127.0.0.1:1", store_timeout_s=3))
+    assert os.environ["MC_RPC_TIMEOUT_MS"] == "3000"
+    assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "3"
+    assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "3"
+
+
 def test_connect_with_the_master_down_fails_fast() -> None:
     started = time.monotonic()
     with pytest.raises(StoreUnavailable, match="does not accept connections"):

@@ -151,6 +151,9 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
             {"master_server_address": "h:1", "preferred_segment": True, "global_segment_size": 0},
             "lends none",
         ),
+        ({"master_server_address": "h:1", "store_timeout_s": 0}, "store_timeout_s"),
+        ({"master_server_address": "h:1", "store_timeout_s": 86401}, "store_timeout_s"),
+        ({"master_server_address": "h:1", "store_timeout_s": 2.5}, "int"),
     ],
 )
 def test_bad_values_are_named(values: dict[str, object], complaint: str) -> None:

@@ -5,20 +5,20 @@ Each must end in a typed status, quickly, with nothing half-written readable aft
 
 from __future__ import annotations
 
-import os
-import signal
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
 import numpy as np
 import pytest
-from _proc import wait_stopped
 
 from hybridkv.transport.errors import Status, StoreUnavailable, raise_on_failure
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.mooncake_store import MooncakeStore
 from hybridkv.transport.store import Store
-from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config
+from hybridkv.transport.testing import StartHolder, StartMaster, mooncake_config, stalled
 
 OK = Status.OK
 
@@ -226,25 +226,118 @@ def test_dead_holder_fails_reads_fast_without_garbage(
         store.close()
 
 
-def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
-    start_mooncake_master: StartMaster, monkeypatch: pytest.MonkeyPatch
+def test_a_stalled_holder_fails_transfers_within_the_store_timeout_and_writes_nothing_late(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder
 ) -> None:
-    """A stalled master times the client's calls out (Mooncake's RPC_TIMEOUT, -901): no
-    answer, as with a master that is gone, not a missing or failed object."""
-    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "1000")
+    """A holder that stops answering (SIGSTOP) held a get or a put for Mooncake's 30 s;
+    now `store_timeout_s`. The connection is dropped, so the holder's late reply, once it
+    runs again, never lands in the reader's buffer (which vLLM may have reused)."""
     master = start_mooncake_master()
-    store = MooncakeStore.connect(mooncake_config(master.address))
+    holder = start_segment_holder(master.address, "32MB")
+    config = mooncake_config(master.address, global_segment_size=0, store_timeout_s=2)
+    store = MooncakeStore.connect(config)
+    data = np.arange(8192, dtype=np.uint8)
+    try:
+        whole, half_written = keys_of("stalled-holder", 2)
+        assert put_all(store, [whole], data) == [OK]
+        assert store.put_session_start([half_written], [8192]) == [OK]
+        with stalled(holder.pid):
+            started = time.monotonic()
+            status, out = get_one(store, whole, 8192)
+            read_s = time.monotonic() - started
+            write_status = store.put_ranges([half_written], [[data.ctypes.data]], [[8192]], [[0]])
+            elapsed = time.monotonic() - started
+        print(f"against a stalled holder: get {status.name} in {read_s:.2f} s, ranged put "
+              f"{write_status[0].name}, both in {elapsed:.2f} s")  # fmt: skip
+        assert status is Status.TRANSFER_FAILED
+        assert write_status == [Status.TRANSFER_FAILED]
+        assert elapsed < 30  # each alone took Mooncake's 30 s before
+        time.sleep(1)  # the holder runs again: nothing of its late reply arrives
+        assert (out == 0xAB).all()
+
+        assert store.put_session_revoke([half_written]) == [OK]
+        assert store.batch_is_readable([half_written]) == [False]
+        status, out = get_one(store, whole, 8192)  # the holder is back, its object intact
+        assert status is OK
+        assert np.array_equal(out, data)
+    finally:
+        store.close()
+
+
+HALF_WRITER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from hybridkv.transport.mooncake_store import MooncakeStore
+    from hybridkv.transport.testing import mooncake_config
+
+    address, key = sys.argv[1:]
+    store = MooncakeStore.connect(mooncake_config(address, global_segment_size=0))
+    data = np.full(8192, 0x11, dtype=np.uint8)
+    assert [s.name for s in store.put_session_start([key], [8192])] == ["OK"]
+    statuses = store.put_ranges([key], [[data.ctypes.data]], [[4096]], [[0]])
+    assert [s.name for s in statuses] == ["OK"]
+    print("half written", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_writer_killed_inside_a_put_session_leaves_nothing_readable(
+    start_mooncake_master: StartMaster, start_segment_holder: StartHolder
+) -> None:
+    """A writer SIGKILLed with half of an object written (its put session open, never
+    ended): no reader ever sees a byte of it; the key stays taken (a put of it is a
+    no-op) until the master discards the unfinished put (`put_start_discard_timeout_sec`,
+    30 s by default, 2 s here), after which it is stored whole again."""
+    master = start_mooncake_master(client_ttl_s=2, extra_args=["--put_start_discard_timeout_sec=2"])
+    start_segment_holder(master.address, "32MB")
+    key = keys_of("killed-writer", 1)[0]
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HALF_WRITER, master.address, key],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "half written\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    store = MooncakeStore.connect(mooncake_config(master.address, global_segment_size=0))
+    data = np.arange(8192, dtype=np.uint8)
+    try:
+        started, seen = time.monotonic(), []
+        while True:
+            status, out = get_one(store, key, 8192)
+            if status is OK:
+                break
+            seen.append(status.name)
+            assert (out == 0xAB).all()  # not a byte of the half-written object
+            assert store.batch_is_readable([key]) == [False]
+            put_all(store, [key], data)  # a no-op while the dead writer's put holds it
+            assert time.monotonic() < started + 30, f"the key never came free: {set(seen)}"
+            time.sleep(0.5)
+        print(f"killed writer's key: gets {sorted(set(seen))}, stored whole after "
+              f"{time.monotonic() - started:.1f} s")  # fmt: skip
+        assert np.array_equal(out, data)
+    finally:
+        store.close()
+
+
+def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
+    start_mooncake_master: StartMaster,
+) -> None:
+    """A stalled master times the client's calls out (Mooncake's RPC_TIMEOUT, -901, after
+    `store_timeout_s`): no answer, as with a master that is gone, not a missing or failed
+    object."""
+    master = start_mooncake_master()
+    store = MooncakeStore.connect(mooncake_config(master.address, store_timeout_s=1))
     data = np.arange(4096, dtype=np.uint8)
     stored = keys_of("stalled", 1)
     try:
         assert put_all(store, stored, data) == [OK]
-        os.kill(master.pid, signal.SIGSTOP)
-        try:
-            wait_stopped(master.pid)  # else a thread not yet stopped may still answer
+        with stalled(master.pid):
             with pytest.raises(StoreUnavailable, match="batch_is_readable of 'fault-stalled"):
                 store.batch_is_readable(stored)
             assert store.get_session_start(stored) == [Status.RPC_FAILED]
-        finally:
-            os.kill(master.pid, signal.SIGCONT)
     finally:
         store.close()

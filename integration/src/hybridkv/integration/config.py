@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from hybridkv.integration.lookup.breaker import PROBE_BACKOFF_S, PROBE_MAX_BACKOFF_S
 from hybridkv.integration.transfer_mode import TransferMode
 from hybridkv.transport import Granularity, MooncakeConfig, PipelineOptions, parse_size
 from hybridkv.transport.integrity import IntegrityKey
@@ -30,7 +31,12 @@ MAX_SECONDS = 86_400.0
 # Namespaces are folded into every key: one this long already makes keys of ~400 B.
 MAX_NAMESPACE_CHARS = 256
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SECONDS_KEYS = ("full_pool_pause_s", "failed_load_quarantine_s")
+_SECONDS_KEYS = (
+    "full_pool_pause_s",
+    "failed_load_quarantine_s",
+    "lookup_probe_backoff_s",
+    "lookup_probe_max_backoff_s",
+)
 
 
 def host_memory_bytes() -> int:
@@ -92,6 +98,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # AscendStoreConnector's older name for lookup_rpc_port.
     mooncake_rpc_port: Port = 0
     lookup_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=_MAX_TIMEOUT_MS)] = 5000
+    # While the pool counts as down (a lookup timed out), probes go out this long apart
+    # at first, doubling up to the max (see lookup/breaker.py).
+    lookup_probe_backoff_s: Annotated[float, msgspec.Meta(gt=0)] = PROBE_BACKOFF_S
+    lookup_probe_max_backoff_s: Annotated[float, msgspec.Meta(gt=0)] = PROBE_MAX_BACKOFF_S
     # Objects are whole blocks addressed by content; a partial block is stored only as a
     # prompt tail (below). The key exists so AscendStoreConnector configs carry over.
     discard_partial_chunks: bool = True
@@ -168,6 +178,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                     "integrity_secret_env: tagged objects move whole, and granularity 'layer' "
                     "reads them in ranges: use 'auto', 'staged' or 'group'"
                 )
+        if not self.lookup_probe_backoff_s <= self.lookup_probe_max_backoff_s:
+            raise ValueError(
+                f"lookup_probe_backoff_s ({self.lookup_probe_backoff_s}) must be at most "
+                f"lookup_probe_max_backoff_s ({self.lookup_probe_max_backoff_s})"
+            )
         if self.lookup_rpc_port and self.mooncake_rpc_port:
             raise ValueError("set lookup_rpc_port or its old name mooncake_rpc_port, not both")
         for key in _SECONDS_KEYS:

@@ -120,7 +120,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 storing = {g.vllm_group_id: g.heads.storing * stages for g in self.plan.groups}
                 self._announcer = PoolAnnouncer(storing)
             self._client = LookupClient(
-                self._channel.address, self.config.lookup_timeout_ms, self._channel.answered
+                self._channel.address,
+                self.config.lookup_timeout_ms,
+                self._channel.answered,
+                probe_backoff_s=self.config.lookup_probe_backoff_s,
+                probe_max_backoff_s=self.config.lookup_probe_max_backoff_s,
             )
             self._scheduler = SchedulerSide(
                 self.keys,
@@ -327,8 +331,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
             return self._worker.counters.take()
-        if self._scheduler is not None:
-            data = self._scheduler.take_stats()
+        if self._scheduler is not None and self._client is not None:
+            data = {**self._scheduler.take_stats(), **self._client.take_stats()}
             return HybridKVStats(data=dict(data)) if any(data.values()) else None
         return None
 

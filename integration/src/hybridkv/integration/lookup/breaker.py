@@ -34,6 +34,7 @@ class Breaker:
         self.is_open = False
         self.opened = 0  # times it opened: outages seen
         self.probes = 0  # probes sent (the requests that opened it not counted)
+        self.closed = 0  # times a probe closed it: outages over
         self._until: float | None = None  # the probe in flight counts until then
         self._next = 0.0  # no probe before then
         self._backoff = first_backoff_s
@@ -70,5 +71,6 @@ class Breaker:
     def answered(self, ok: bool) -> None:
         """The probe in flight was answered in time: the pool is back unless it failed."""
         self._until = None
-        if ok:
+        if ok and self.is_open:
             self.is_open = False
+            self.closed += 1

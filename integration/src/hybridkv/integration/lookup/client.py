@@ -81,6 +81,19 @@ class LookupClient:
         self._probe: bytes | None = None  # the id of the probe in flight (or the last one)
         self.skipped = 0  # lookups answered miss, not sent, while the pool counted as down
         self._told = False  # whether this outage's first skipped lookup was warned of
+        self._reported: dict[str, int] = {}  # the counts `take_stats` last returned
+
+    def take_stats(self) -> dict[str, int]:
+        """The breaker's counts since the last call (the connector's stats)."""
+        counts = {
+            "skipped_lookups": self.skipped,
+            "breaker_opened": self.breaker.opened,
+            "breaker_closed": self.breaker.closed,
+            "breaker_probes": self.breaker.probes,
+        }
+        since = {name: count - self._reported.get(name, 0) for name, count in counts.items()}
+        self._reported = counts
+        return since
 
     def _connect(self) -> zmq.Socket[bytes] | None:
         if self._socket is not None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 MIN_SEGMENT_SIZE = 16 << 20  # smaller segments make Mooncake's setup fail with -600
+MAX_STORE_TIMEOUT_S = 86400  # a day: longer is a typo, not a deadline
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -48,7 +49,8 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
     other processes' segments, so written objects outlive this process);
     `local_buffer_size` is the client's staging buffer. `preferred_segment` (a segment
     name, or true for this process's own) and `prefer_alloc_in_same_node` steer where new
-    objects are placed. `mode` and `enable_offload` are the fields vLLM's
+    objects are placed. `store_timeout_s` bounds every call to the pool (see
+    `mooncake_client.prepare_environment`). `mode` and `enable_offload` are the fields vLLM's
     MooncakeStoreConnector reads, so its files load unchanged: `mode` is checked against
     `global_segment_size` as vLLM checks it; `enable_offload` describes the SSD tier of a
     standalone store process, which this client does not drive.
@@ -70,6 +72,7 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefer_alloc_in_same_node: bool = False
     mode: Literal["embedded", "standalone-store"] | None = None
     enable_offload: bool = False
+    store_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         if not _is_host_port(self.master_server_address):
@@ -93,6 +96,12 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("local_buffer_size must be positive: the client stages through it")
         if self.enable_ssd_offload and not self.ssd_offload_path:
             raise ValueError("enable_ssd_offload needs ssd_offload_path")
+        timeout = self.store_timeout_s
+        if isinstance(timeout, bool) or not 1 <= timeout <= MAX_STORE_TIMEOUT_S:
+            raise ValueError(
+                f"store_timeout_s must be a whole number of seconds from 1 to "
+                f"{MAX_STORE_TIMEOUT_S}, got {timeout!r}"
+            )
         if not 0 < self.client_http_port < 65536:
             raise ValueError(f"client_http_port out of range: {self.client_http_port}")
         if self.preferred_segment is True and self.global_segment_size == 0:

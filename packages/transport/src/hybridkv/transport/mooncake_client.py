@@ -81,8 +81,21 @@ def put_placement(client: Any, config: MooncakeConfig) -> Any:
     return placement
 
 
+# Mooncake's own deadlines, 30 s each by default, all set from `store_timeout_s`: a
+# master's reply, and a holder's status frame or progress on a transfer (past it the
+# transfer engine drops the connection, so a late reply never writes into the buffer).
+STORE_TIMEOUT_VARIABLES = {
+    "MC_RPC_TIMEOUT_MS": 1000,
+    "MC_TCP_STATUS_TIMEOUT_SEC": 1,
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": 1,
+}
+
+
 def prepare_environment(config: MooncakeConfig) -> None:
-    """Defaults the client reads from the environment, unless the user chose otherwise."""
+    """What the client reads from the environment: its deadlines (from the config, read
+    by each client at its setup), and defaults unless the user chose otherwise."""
+    for variable, per_second in STORE_TIMEOUT_VARIABLES.items():
+        os.environ[variable] = str(config.store_timeout_s * per_second)
     # One setup attempt: a dead master then fails in seconds, not after 20 x 4.4 s.
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     # Without it the transfer engine advertises the first NIC's address, not the host asked

@@ -13,8 +13,11 @@ Under `HYBRIDKV_REQUIRE_REAL=1` a missing Mooncake fails these tests instead of 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -75,6 +78,34 @@ def _bindable(port: int) -> bool:
         except OSError:  # taken, or past 65535
             return False
     return True
+
+
+@contextlib.contextmanager
+def stalled(pid: int, timeout_s: float = 5.0) -> Iterator[None]:
+    """`pid` stopped (SIGSTOP) inside, running again (SIGCONT) after: a stalled master or
+    holder. Entered once every thread has stopped: a busy machine may take a moment to
+    stop each, and meanwhile the process still answers requests."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(pid):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"process {pid} not stopped after {timeout_s} s")
+            time.sleep(0.01)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rpartition(")")[2].split()[0])
+        except OSError:
+            continue  # the thread exited
+    return bool(states) and all(state in "Tt" for state in states)
 
 
 def mooncake_config(master_address: str, **overrides: Any) -> MooncakeConfig:
