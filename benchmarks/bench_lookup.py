@@ -9,7 +9,7 @@ lookup is the scheduler's own path: `SchedulerSide.num_new_matched_tokens` rende
 loopback port), and the server asks the master (`MooncakeStore.batch_is_readable`). Both
 lookups run in the same process against the same master, alternating; "all keys" is
 today's one query about every storing head of every block of every group (the connector
-still asks so below `EXACT_LOOKUP_KEYS` keys), "search" the coordinator's `HitSearch`.
+still asks so below 2048 keys), "search" the coordinator's `HitSearch`.
 Times are the median of `--repeats` re-asks of one waiting request, the two kinds in
 turn (vLLM asks again each step while a request waits; its block hashes are computed
 once, at its first ask, a search timed apart as "first ask": it hashes N tokens). Every
@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.integration import hit_finder
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
@@ -114,12 +113,12 @@ def fill(store: MooncakeStore, keys: Sequence[str]) -> None:
         store.unregister_buffer(base)
 
 
-def exact(on: bool) -> None:
+def exact(row: Row, on: bool) -> None:
     """Today's lookup (every key in one query) or the search."""
-    hit_finder.EXACT_LOOKUP_KEYS = sys.maxsize if on else DEFAULT_EXACT
+    row.side._hits.exact_keys = sys.maxsize if on else DEFAULT_EXACT
 
 
-DEFAULT_EXACT = hit_finder.EXACT_LOOKUP_KEYS
+DEFAULT_EXACT = ConnectorConfig().test_exact_lookup_keys
 
 
 def timed_lookup(row: Row, request: Any) -> tuple[float, int]:
@@ -133,18 +132,18 @@ def measure(row: Row, repeats: int) -> dict[str, float]:
     """Median seconds per lookup of each kind, the two alternating on one waiting request,
     and its first ask (a search, hashing the prompt)."""
     request = row.request("waiting")
-    exact(False)
+    exact(row, False)
     seconds, hit = timed_lookup(row, request)
     check(row, hit, "first ask")
     times: dict[str, list[float]] = {"all keys": [], "search": [], "first ask": [seconds]}
     for repeat in range(repeats):
         kinds = ["all keys", "search"] if repeat % 2 else ["search", "all keys"]
         for kind in kinds:
-            exact(kind == "all keys")
+            exact(row, kind == "all keys")
             seconds, hit = timed_lookup(row, request)
             check(row, hit, kind)
             times[kind].append(seconds)
-    exact(False)
+    exact(row, False)
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 

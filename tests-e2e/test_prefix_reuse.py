@@ -3,8 +3,9 @@
 For each model (one KV group; sliding window + full attention; conv state + full
 attention) and each transfer pairing, a writer instance runs its prompts and exits; the
 test then tampers with the pool through the store API; a reader instance started
-afterwards runs the scenario's prompts. The checks compare the reader with a cold run
-(no connector) of the same prompts, and the negative controls show the checks can fail.
+afterwards runs the scenario's prompts, each lookup searching the hit boundary as a long
+prompt's does. The checks compare the reader with a cold run (no connector) of the same
+prompts, and the negative controls show the checks can fail.
 """
 
 from __future__ import annotations
@@ -113,12 +114,14 @@ class _Exchanges:
             raise outcome
         return outcome
 
-    def _spec(self, model: str, namespace: str, mode: str, steps: list[Step]) -> InstanceSpec:
+    def _spec(
+        self, model: str, namespace: str, mode: str, steps: list[Step], **connector: object
+    ) -> InstanceSpec:
         return InstanceSpec(
             model=str(self._references[model].model_path),
             block_size=BLOCK,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            connector={"namespace": namespace, **MODES[mode]},
+            connector={"namespace": namespace, **MODES[mode], **connector},
             master_http=self._pool.http,
             steps=steps,
         )
@@ -169,7 +172,11 @@ class _Exchanges:
         else:
             del prompts["corrupted_other_group"]
 
-        reader_spec = self._spec(model, name, reader, [Step(prompts=list(prompts.values()))])
+        # The reader's every lookup searches the boundary with a few small queries (the path
+        # of long prompts), so the controls below hold for it too.
+        reader_spec = self._spec(
+            model, name, reader, [Step(prompts=list(prompts.values()))], _exact_lookup_keys=0
+        )
         read = run_instance(reader_spec, self._runs, f"{name}-reader", env, timeout_s=300)
         return Exchange(
             reference=reference,

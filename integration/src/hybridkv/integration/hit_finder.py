@@ -1,6 +1,8 @@
 """How much of a prompt the pool holds: the pool queries of a lookup, and the hit.
 
-The hit is the coordinator's. A lookup of at most `EXACT_LOOKUP_KEYS` keys asks about
+The hit is the coordinator's. A lookup of at most `exact_keys` keys (2048 unless a test
+sets `_exact_lookup_keys`: below it, the search's round trips cost more than the keys
+they save) asks about
 every block any hit could need (`lookup_mask`) in ONE batched query and picks the largest
 boundary every group can serve (`find_hit`). A longer one runs the coordinator's
 `HitSearch`: a few small queries, a probe of one head per block where the search bisects a
@@ -26,9 +28,6 @@ from hybridkv.integration.tracked_requests import TrackedRequest
 
 logger = logging.getLogger(__name__)
 
-# Lookups asking at most this many keys ask them all in one query (exact): below it, the
-# search's round trips cost more than the keys they save.
-EXACT_LOOKUP_KEYS = 2048
 # The head a probe asks about (every group stores head 0's objects).
 PROBE_HEADS = range(1)
 
@@ -49,17 +48,20 @@ class HitFinder:
         query: Query,
         quarantine: Quarantine,
         tail_unit: int,
+        exact_keys: int,
     ) -> None:
         """`query`: the pool's answer per key (None: no answer). `quarantine`: keys whose
         objects failed to load, absent while held. `tail_unit`: vLLM's hash unit where its
         prefix cache hits inside blocks (prompt tails are looked up at its multiples); 0:
-        whole blocks only."""
+        whole blocks only. `exact_keys`: lookups asking at most this many keys ask them
+        all in one query."""
         self._keys = keys
         self.query = query  # (a test swaps it for a pool that stops answering)
         self.quarantine = quarantine
         self._coordinator = coordinator
         self._plan = keys.plan
         self._tail_unit = tail_unit
+        self.exact_keys = exact_keys  # (tests and the lookup benchmark swap it)
         self._smallest_block = min(group.block_size for group in self._plan.groups)
         self.lookups = 0
         self.failed_lookups = 0  # lookups whose query got no answer: counted as misses
@@ -85,7 +87,7 @@ class HitFinder:
         max_tokens = known - 1
         tracked.hashes.cover(request.all_token_ids, known)
         search = self._coordinator.search(max_tokens, known, num_computed, self._tail_unit)
-        if len(self.quarantine) or self._keys_asked(search) <= EXACT_LOOKUP_KEYS:
+        if len(self.quarantine) or self._keys_asked(search) <= self.exact_keys:
             search.ask_all()
         self.lookups += 1
         while (asks := search.next_asks()) is not None:

@@ -79,7 +79,9 @@ class SchedulerSide:
         local_unit = math.gcd(self.plan.hash_block_size, local_hit_unit)
         quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self._queried_tokens = 0  # asked of the pool past vLLM's own hits: hit rate's base
-        self._hits = HitFinder(keys, self.coordinator, query, quarantine, tail_unit)
+        self._hits = HitFinder(
+            keys, self.coordinator, query, quarantine, tail_unit, config.test_exact_lookup_keys
+        )
         load_async = config.load_async or load_async_required
         self._loads = LoadPlanner(self.plan, self.coordinator, load_async)
         self._poisoned = PoisonedBlocks(self.plan.groups[0].block_size, steps_ahead)

@@ -2,7 +2,8 @@
 
 The scheduler process holds no store client; worker rank 0 does. One round trip (DEALER to
 REP) per query carries every key of that query (msgspec-encoded; past the request caps
-below, several do; a long prompt's lookup is a few small queries, see `hit_finder`); a cache reset asks for the model's objects to be removed the same way
+below, several do; a long prompt's lookup is a few small queries, see `hit_finder`); a
+cache reset asks for the model's objects to be removed the same way
 (which objects, the server alone decides: its own model's, so that whoever reaches its
 loopback port cannot name others'). The server answers every request, a malformed one with
 an error, and survives anything a request does; the client gives up after a timeout and
