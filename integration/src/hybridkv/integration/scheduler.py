@@ -99,6 +99,7 @@ class SchedulerSide:
             self._saves.store_mask,
             self._saves.regrow_mask,
         )
+        self._lookup_seconds = 0.0
 
     @property
     def generation(self) -> int:
@@ -124,7 +125,15 @@ class SchedulerSide:
     # -- lookup -----------------------------------------------------------------------
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        """(tokens to load beyond `num_computed`, load asynchronously?)."""
+        """(tokens to load beyond `num_computed`, load asynchronously?); the time it takes
+        is on vLLM's scheduling path, summed in `lookup_seconds`."""
+        started = time.perf_counter()
+        try:
+            return self._matched_tokens(request, num_computed)
+        finally:
+            self._lookup_seconds += time.perf_counter() - started
+
+    def _matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         self._taint.looked_up(request.request_id)  # vLLM computes it afresh
         if self._taint.generation and has_token_ids(request):
             self._track(request).skip_local_hit = True
@@ -241,15 +250,17 @@ class SchedulerSide:
         self._loads.forget(request_id)
         self._requests.pop(request_id)
 
-    def take_stats(self) -> dict[str, int]:
+    def take_stats(self) -> dict[str, float]:
         hits, loads = self._hits, self._loads
         stats = {
             "hit_tokens": loads.hit_tokens,
             "tail_hit_tokens": loads.tail_hit_tokens,
             "lookups": hits.lookups,
             "failed_lookups": hits.failed_lookups,
+            "lookup_seconds": self._lookup_seconds,
             "quarantined_keys": hits.quarantined_keys,
         }
+        self._lookup_seconds = 0.0
         loads.hit_tokens = loads.tail_hit_tokens = hits.lookups = hits.failed_lookups = 0
         hits.quarantined_keys = 0
         return stats
