@@ -257,17 +257,22 @@ def list_pool_keys(master_http: str) -> list[str]:
 # -- child side -------------------------------------------------------------------------
 
 
-def _counters(llm: Any, names: Sequence[str]) -> dict[str, float]:
-    """The value of each named counter, summed over its labels (0 if vLLM has none)."""
+def _counters(names: Sequence[str]) -> dict[str, float]:
+    """The value of each named counter, summed over its labels (0 if vLLM has none).
+    Read from the Prometheus registry of this process (where vLLM's stat loggers run):
+    `LLM.get_metrics()` truncates counters to whole numbers, seconds included."""
+    from prometheus_client import REGISTRY
+
     values = dict.fromkeys(names, 0.0)
-    for metric in llm.get_metrics():
+    for metric in REGISTRY.collect():
         if metric.name in values:
-            values[metric.name] += metric.value
+            total = f"{metric.name}_total"
+            values[metric.name] += sum(s.value for s in metric.samples if s.name == total)
     return values
 
 
 def _external_hits(llm: Any) -> int:
-    return int(_counters(llm, [EXTERNAL_HITS_METRIC])[EXTERNAL_HITS_METRIC])
+    return int(sum(m.value for m in llm.get_metrics() if m.name == EXTERNAL_HITS_METRIC))
 
 
 def _kv_groups(llm: Any) -> list[str]:
@@ -326,13 +331,13 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     if step.transfer_totals:
         _transfer_totals()
     hits_before = _external_hits(llm)
-    counters_before = _counters(llm, step.counters)
+    counters_before = _counters(step.counters)
     started = time.perf_counter()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     wall = time.perf_counter() - started
     transfer = _transfer_totals() if step.transfer_totals else None
     counters = {
-        name: value - counters_before[name] for name, value in _counters(llm, step.counters).items()
+        name: value - counters_before[name] for name, value in _counters(step.counters).items()
     }
     completion = output.outputs[0]
     metrics = output.metrics
