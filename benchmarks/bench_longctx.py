@@ -151,6 +151,36 @@ def _counter(results: Sequence[PromptResult], name: str) -> float:
     return median(result.counters.get(name, float("nan")) for result in results)
 
 
+def curve(
+    lengths: Sequence[int], cold: Sequence[PromptResult], warm: Sequence[Sequence[PromptResult]]
+) -> list[str]:
+    """The table of cold and warm TTFT, lookup share, bytes loaded and exactness by length
+    (`warm`: the reader's results of each length, as `hybridkv_warm` returns them)."""
+    lines = [
+        f"  {'tokens':>7} {'cold TTFT':>10} {'warm TTFT':>10} {'cold/warm':>9}"
+        f" {'lookup':>8} {'share':>6} {'lookups':>7} {'hit':>7}"
+        f" | {'MiB':>6} {'blocks':>6} {'load GB/s':>9} {'warm ms/MiB':>11}"
+        f" | {'max |logprob gap| vs cold':>25}"
+    ]
+    for length, reference, results in zip(lengths, cold, warm, strict=True):
+        warm_s = ttft(results)
+        lookup_s = _counter(results, LOOKUP_SECONDS)
+        loaded = _counter(results, LOADED_BYTES)
+        load_s = _counter(results, LOAD_SECONDS)
+        hits = sorted({result.external_hit_tokens for result in results})
+        lines.append(
+            f"  {length:7d} {ms(reference.first_token_latency_s)}ms"
+            f" {ms(warm_s)}ms {reference.first_token_latency_s / warm_s:8.1f}x"
+            f" {lookup_s * 1e3:6.2f}ms {lookup_s / warm_s:6.1%}"
+            f" {_counter(results, LOOKUPS):7.0f} {'/'.join(map(str, hits)):>7}"
+            f" | {loaded / MIB:6.1f} {_counter(results, LOADED_BLOCKS):6.0f}"
+            f" {loaded / load_s / 1e9 if load_s else float('nan'):9.2f}"
+            f" {warm_s * 1e3 / (loaded / MIB) if loaded else float('nan'):11.3f}"
+            f" | {exact(results, reference):25.3g}"
+        )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
@@ -165,29 +195,8 @@ def main() -> int:
             config = write_pool_config(root / "mooncake.json", master.address, 512 << 20)
             bench.env["MOONCAKE_CONFIG_PATH"] = str(config)
             warm = hybridkv_warm(bench, "longctx")
-        print(
-            f"  {'tokens':>7} {'cold TTFT':>10} {'warm TTFT':>10} {'cold/warm':>9}"
-            f" {'lookup':>8} {'share':>6} {'lookups':>7} {'hit':>7}"
-            f" | {'MiB':>6} {'blocks':>6} {'load GB/s':>9} {'warm ms/MiB':>11}"
-            f" | {'max |logprob gap| vs cold':>25}"
-        )
-        for length, reference, results in zip(args.lengths, cold, warm, strict=True):
-            warm_s = ttft(results)
-            lookup_s = _counter(results, LOOKUP_SECONDS)
-            loaded = _counter(results, LOADED_BYTES)
-            load_s = _counter(results, LOAD_SECONDS)
-            hits = sorted({result.external_hit_tokens for result in results})
-            print(
-                f"  {length:7d} {ms(reference.first_token_latency_s)}ms"
-                f" {ms(warm_s)}ms {reference.first_token_latency_s / warm_s:8.1f}x"
-                f" {lookup_s * 1e3:6.2f}ms {lookup_s / warm_s:6.1%}"
-                f" {_counter(results, LOOKUPS):7.0f} {'/'.join(map(str, hits)):>7}"
-                f" | {loaded / MIB:6.1f} {_counter(results, LOADED_BLOCKS):6.0f}"
-                f" {loaded / load_s / 1e9 if load_s else float('nan'):9.2f}"
-                f" {warm_s * 1e3 / (loaded / MIB) if loaded else float('nan'):11.3f}"
-                f" | {exact(results, reference):25.3g}",
-                flush=True,
-            )
+        for line in curve(args.lengths, cold, warm):
+            print(line)
         print(load.report())
     return 0
 

