@@ -5,7 +5,8 @@ prefix plus 16 tokens of its own; every instance a process of its own). In order
 
 1. cold: no connector, each prompt computed from scratch (cold TTFT, reference output);
 2. LMCache: an ``lmcache server`` process (memory tier only: ``--l1-size-gb 1
-   --eviction-policy LRU --chunk-size 256 --disable-observability``) and vLLM's
+   --eviction-policy LRU --chunk-size 256 --disable-observability``, and
+   ``--supported-transfer-mode auto`` for the CPU's engine-driven transfers) and vLLM's
    ``LMCacheMPConnector``: a writer computes and stores every prompt and exits, a reader
    asks each ``--repeats`` times;
 3. hybridkv on a real Mooncake pool (master + segment holder on loopback): a writer with
@@ -51,6 +52,10 @@ INSTALL = (
     f"pip install --no-deps lmcache=={LMCACHE_VERSION} && pip install sortedcontainers aiofile"
 )
 SERVER_FLAGS = [
+    # vLLM's LMCacheMPConnector on the CPU transfers engine-driven (PREPARE/COMMIT),
+    # which the server refuses by default ("lmcache_driven" only)
+    "--supported-transfer-mode",
+    "auto",
     "--l1-size-gb",
     "1",
     "--eviction-policy",
