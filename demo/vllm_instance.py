@@ -51,6 +51,9 @@ class Step(msgspec.Struct, kw_only=True):
     reset_prefix_cache: bool = True
     # report the connector's transfer totals of each prompt (needs the in-process engine)
     transfer_totals: bool = False
+    # vLLM counters (by `get_metrics()` name, e.g. "vllm:hybridkv_lookup_seconds") whose
+    # increase over each prompt PromptResult.counters reports
+    counters: list[str] = msgspec.field(default_factory=list)
     # before the prompts, reset the connector's cache as after a weight update
     # (reset_prefix_cache(reset_connector=True)); StepResult.reset_ok is vLLM's answer
     reset_connector: bool = False
@@ -104,6 +107,8 @@ class PromptResult(msgspec.Struct, kw_only=True):
     wall_s: float
     # the connector's counters summed over this prompt (Step.transfer_totals)
     transfer: dict[str, float] | None = None
+    # the increase of each of Step.counters over this prompt
+    counters: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 def write_pool_config(
@@ -252,6 +257,20 @@ def list_pool_keys(master_http: str) -> list[str]:
 # -- child side -------------------------------------------------------------------------
 
 
+def _counters(names: Sequence[str]) -> dict[str, float]:
+    """The value of each named counter, summed over its labels (0 if vLLM has none).
+    Read from the Prometheus registry of this process (where vLLM's stat loggers run):
+    `LLM.get_metrics()` truncates counters to whole numbers, seconds included."""
+    from prometheus_client import REGISTRY
+
+    values = dict.fromkeys(names, 0.0)
+    for metric in REGISTRY.collect():
+        if metric.name in values:
+            total = f"{metric.name}_total"
+            values[metric.name] += sum(s.value for s in metric.samples if s.name == total)
+    return values
+
+
 def _external_hits(llm: Any) -> int:
     return int(sum(m.value for m in llm.get_metrics() if m.name == EXTERNAL_HITS_METRIC))
 
@@ -312,10 +331,14 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
     if step.transfer_totals:
         _transfer_totals()
     hits_before = _external_hits(llm)
+    counters_before = _counters(step.counters)
     started = time.perf_counter()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     wall = time.perf_counter() - started
     transfer = _transfer_totals() if step.transfer_totals else None
+    counters = {
+        name: value - counters_before[name] for name, value in _counters(step.counters).items()
+    }
     completion = output.outputs[0]
     metrics = output.metrics
     return PromptResult(
@@ -326,6 +349,7 @@ def _run_prompt(llm: Any, prompt: list[int], step: Step) -> PromptResult:
         first_token_latency_s=float(getattr(metrics, "first_token_latency", 0.0) or 0.0),
         wall_s=wall,
         transfer=transfer,
+        counters=counters,
     )
 
 

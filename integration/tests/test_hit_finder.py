@@ -3,6 +3,7 @@ and stage), prompt tails, quarantined keys."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -88,7 +89,9 @@ def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
     side.take_stats()
     pool.down = True
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
-    assert side.take_stats() == {
+    stats = side.take_stats()
+    assert stats.pop("lookup_seconds") > 0
+    assert stats == {
         "queried_tokens": len(TOKENS),  # asked, though no answer came
         "hit_tokens": 0,
         "hit_requests": 0,
@@ -97,6 +100,23 @@ def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
         "failed_lookups": 1,
         "quarantined_keys": 0,
     }
+
+
+def test_lookup_seconds_sum_the_time_lookups_take(vllm_specs: Any) -> None:
+    side, pool = make_side(vllm_specs, [(["a"], attention(vllm_specs))], ModelShape(1, 2))
+    put_blocks(side, pool, TOKENS, [0], 192)
+    side.take_stats()
+    answered = pool.query
+
+    def slow_pool(keys: Sequence[str]) -> list[bool] | None:
+        time.sleep(0.05)
+        return answered(keys)
+
+    side._hits.query = slow_pool
+    side.num_new_matched_tokens(request("r", TOKENS), 0)
+    side.num_new_matched_tokens(request("s", TOKENS), 0)
+    assert side.take_stats()["lookup_seconds"] >= 0.1
+    assert side.take_stats()["lookup_seconds"] == 0  # taken with the stats
 
 
 def test_salt_and_lora_change_the_keys(vllm_specs: Any) -> None:

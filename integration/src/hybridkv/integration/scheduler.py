@@ -102,6 +102,7 @@ class SchedulerSide:
             self._saves.store_mask,
             self._saves.regrow_mask,
         )
+        self._lookup_seconds = 0.0
 
     @property
     def generation(self) -> int:
@@ -127,7 +128,15 @@ class SchedulerSide:
     # -- lookup -----------------------------------------------------------------------
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        """(tokens to load beyond `num_computed`, load asynchronously?)."""
+        """(tokens to load beyond `num_computed`, load asynchronously?); the time it takes
+        is on vLLM's scheduling path, summed in `lookup_seconds`."""
+        started = time.perf_counter()
+        try:
+            return self._matched_tokens(request, num_computed)
+        finally:
+            self._lookup_seconds += time.perf_counter() - started
+
+    def _matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         self._taint.looked_up(request.request_id)  # vLLM computes it afresh
         if self._taint.generation and has_token_ids(request):
             self._track(request).skip_local_hit = True
@@ -245,7 +254,7 @@ class SchedulerSide:
         self._loads.forget(request_id)
         self._requests.pop(request_id)
 
-    def take_stats(self) -> dict[str, int]:
+    def take_stats(self) -> dict[str, float]:
         hits, loads = self._hits, self._loads
         stats = {
             "queried_tokens": self._queried_tokens,
@@ -254,8 +263,10 @@ class SchedulerSide:
             "tail_hit_tokens": loads.tail_hit_tokens,
             "lookups": hits.lookups,
             "failed_lookups": hits.failed_lookups,
+            "lookup_seconds": self._lookup_seconds,
             "quarantined_keys": hits.quarantined_keys,
         }
+        self._lookup_seconds = 0.0
         loads.hit_tokens = loads.hit_requests = loads.tail_hit_tokens = 0
         hits.lookups = hits.failed_lookups = hits.quarantined_keys = self._queried_tokens = 0
         return stats
