@@ -102,8 +102,9 @@ class Hosts:
             self.relay.stop()
         relay, holder = self.network["relay"].address, self.network["holder"].address
         argv = [sys.executable, str(RELAY), relay, holder, str(rtt_ms / 2000)]
-        self.relay = self._start("relay", [*argv, *map(str, self.holder_ports)], {})
-        wait_until(lambda: "relaying" in self.relay.log_text(), "the relay listening", 30)  # type: ignore[union-attr]
+        relay_child = self._start("relay", [*argv, *map(str, self.holder_ports)], {})
+        wait_until(lambda: "relaying" in relay_child.log_text(), "the relay listening", 30)
+        self.relay = relay_child
 
     def close(self) -> None:
         for child in reversed(self.children):

@@ -52,7 +52,13 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-async def _relay(target: str, port: int, delay_s: float, reader, writer) -> None:  # type: ignore[no-untyped-def]
+async def _relay(
+    target: str,
+    port: int,
+    delay_s: float,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+) -> None:
     try:
         upstream_reader, upstream_writer = await asyncio.open_connection(target, port)
     except OSError:
