@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.transport.config import MooncakeConfig, parse_size
+from hybridkv.transport.master_address import ElectedMaster, parse_master_address
 
 
 @pytest.mark.parametrize(
@@ -121,6 +122,17 @@ def test_defaults_need_only_the_master() -> None:
     assert config.local_hostname == "127.0.0.1"
 
 
+def test_elected_masters_are_found_through_their_etcd_endpoints() -> None:
+    """Mooncake's high-availability form: the client asks etcd which master leads."""
+    address = "etcd://10.0.0.2:2379;10.0.0.3:2379"
+    config = MooncakeConfig.from_mapping({"master_server_address": address})
+    assert config.master_server_address == address  # handed to Mooncake unchanged
+    master = parse_master_address(address)
+    assert isinstance(master, ElectedMaster)
+    assert master.endpoints == [("10.0.0.2", 2379), ("10.0.0.3", 2379)]
+    assert "etcd 10.0.0.2:2379;10.0.0.3:2379" in master.describe()
+
+
 def test_unknown_keys_are_named(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"master_server_address": "h:1", "mastr": 1, "zz_top": 2}))
@@ -134,6 +146,8 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ({}, "needs master_server_address"),
         ({"master_server_address": "nohost"}, "host:port"),
         ({"master_server_address": "h:99999"}, "host:port"),
+        ({"master_server_address": "etcd://"}, "names no etcd endpoint"),
+        ({"master_server_address": "etcd://h:1;nohost"}, "host:port"),
         ({"master_server_address": "h:1", "global_segment_size": "1MB"}, "16 MiB"),
         ({"master_server_address": "h:1", "local_buffer_size": 0}, "local_buffer_size"),
         ({"master_server_address": "h:1", "protocol": "RDMA"}, "case-sensitively"),

@@ -21,7 +21,7 @@ from hybridkv.integration.plugin import CONNECTOR_NAME
 from hybridkv.integration.versions import HYBRIDKV_DISTRIBUTIONS, installed
 from hybridkv.transport.config import MooncakeConfig
 from hybridkv.transport.errors import StoreError
-from hybridkv.transport.master import is_listening, split_address
+from hybridkv.transport.master_address import parse_master_address
 from hybridkv.transport.mooncake_client import load_client_class, mooncake_version
 
 CONNECTOR_MODULE = "hybridkv.integration.connector"
@@ -120,8 +120,7 @@ def _client_check() -> Check:
 
 def _master_checks(config: MooncakeConfig, admin: str) -> list[Check]:
     address = config.master_server_address
-    host, port = split_address(address)
-    if is_listening(host, port):
+    if parse_master_address(address).reachable(timeout_s=0.5):
         rpc = Check("master rpc", "ok", f"{address} accepts connections")
     else:
         rpc = Check("master rpc", "fail", f"{address} does not accept connections")

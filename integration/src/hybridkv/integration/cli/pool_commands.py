@@ -23,7 +23,7 @@ from hybridkv.integration.cli.master_http import (
 from hybridkv.integration.cli.text import human_bytes, table
 from hybridkv.integration.config import MOONCAKE_CONFIG_ENV
 from hybridkv.transport.errors import Status
-from hybridkv.transport.master import is_listening, split_address
+from hybridkv.transport.master_address import parse_master_address
 from hybridkv.transport.mooncake_store import MooncakeStore
 
 # A removal is a master call per key; larger batches only lengthen one call.
@@ -83,7 +83,7 @@ def _pool_status(args: argparse.Namespace) -> int:
     keys = admin.list_keys()
     config = _mooncake_config(args)
     rpc = None if config is None else config.master_server_address
-    listening = None if rpc is None else is_listening(*split_address(rpc))
+    listening = None if rpc is None else parse_master_address(rpc).reachable(timeout_s=0.5)
     capacity = sum(segment.capacity_bytes for segment in segments)
     used = sum(segment.used_bytes for segment in segments)
     foreign = sum(1 for key in keys if pool.owner_of(key).format == "foreign")

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from hybridkv.transport.master_address import parse_master_address
+
 MIN_SEGMENT_SIZE = 16 << 20  # smaller segments make Mooncake's setup fail with -600
 MAX_STORE_TIMEOUT_S = 86400  # a day: longer is a typo, not a deadline
 
@@ -35,11 +37,6 @@ def parse_size(value: int | str, field: str = "size") -> int:
     if size < 0:
         raise ValueError(f"{field} must not be negative, got {value!r}")
     return size
-
-
-def _is_host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,10 +72,7 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
     store_timeout_s: int = 10
 
     def __post_init__(self) -> None:
-        if not _is_host_port(self.master_server_address):
-            raise ValueError(
-                f"master_server_address must be 'host:port', got {self.master_server_address!r}"
-            )
+        parse_master_address(self.master_server_address)  # a ValueError naming what is wrong
         for field in ("metadata_server", "local_hostname", "protocol", "tenant_id"):
             if not getattr(self, field).strip():
                 raise ValueError(f"{field} must not be empty")
@@ -130,7 +124,9 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"(known: {', '.join(sorted(known))})"
             )
         if "master_server_address" not in values:
-            raise ValueError("Mooncake config needs master_server_address ('host:port')")
+            raise ValueError(
+                "Mooncake config needs master_server_address ('host:port' or 'etcd://host:port')"
+            )
         fields = dict(values)
         if fields.get("device_name") is None:
             fields.pop("device_name", None)  # Mooncake writes null for "no RDMA device"

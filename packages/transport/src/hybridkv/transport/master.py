@@ -73,14 +73,14 @@ def owns_listener(pid: int, port: int) -> bool | None:
     return False
 
 
-def _serves(pid: int, host: str, port: int) -> bool:
+def serves(pid: int, host: str, port: int) -> bool:
     """`pid` accepts connections on host:port (not merely: someone does)."""
     return is_listening(host, port) and owns_listener(pid, port) is not False
 
 
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected 'host:port', got {address!r}")
     return host, int(port)
 
@@ -281,12 +281,21 @@ class MasterProcess(ServiceProcess):
         eviction_high_watermark_ratio: float = 0.9,
         eviction_ratio: float = 0.1,
         extra_args: Sequence[str] = (),
+        etcd_endpoints: str | None = None,
+        oplog: bool = True,
         binary: Path | None = None,
         log_path: Path | None = None,
         timeout_s: float = 30.0,
         attempts: int = 3,
     ) -> MasterProcess:
-        """Start and wait until it accepts connections (rpc_port 0: pick free ports)."""
+        """Start and wait until it accepts connections (rpc_port 0: pick free ports).
+
+        With `etcd_endpoints` ("host:port;..."), one of several masters that elect a leader
+        there (`--enable_ha`): it is returned once its metrics port answers, since a standby
+        opens its RPC port only when it leads (`serving()` says when). `oplog` has the
+        leader log every metadata change to etcd, so that a successor knows the objects
+        stored before it took over; without it they are lost with the leader.
+        """
         executable = binary or find_master_binary()
         if rpc_port and is_listening(host, rpc_port):
             # It would fail to bind, and the port's listener would pass for it.
@@ -309,11 +318,15 @@ class MasterProcess(ServiceProcess):
                 f"--default_kv_lease_ttl={lease_ttl_ms}",
                 "--logtostderr=true",
                 *([f"--client_ttl={client_ttl_s}"] if client_ttl_s is not None else []),
+                *(_elected(etcd_endpoints, oplog) if etcd_endpoints is not None else []),
                 *extra_args,
             ]
             child = ChildProcess("mooncake_master", argv, env, log_path)
+            ready_port = port if etcd_endpoints is None else metrics_port
             try:
-                child.wait_until(partial(_serves, child.pid, host, port), "listening", timeout_s)
+                child.wait_until(
+                    partial(serves, child.pid, host, ready_port), "listening", timeout_s
+                )
             except StoreUnavailable:
                 if rpc_port or attempt == attempts:
                     raise
@@ -324,3 +337,16 @@ class MasterProcess(ServiceProcess):
     @property
     def address(self) -> str:
         return f"{self.host}:{self.rpc_port}"
+
+    def serving(self) -> bool:
+        """Whether it accepts clients now (an elected master: whether it leads)."""
+        return self.running() and serves(self.pid, self.host, self.rpc_port)
+
+
+def _elected(etcd_endpoints: str, oplog: bool) -> list[str]:
+    """The flags of a master that is one of several electing a leader in etcd."""
+    return [
+        "--enable_ha=true",
+        f"--etcd_endpoints={etcd_endpoints}",
+        *(["--enable_oplog=true"] if oplog else []),
+    ]

@@ -7,7 +7,8 @@ What this wrapper adds to the raw client:
   alone retries for about 90 s);
 - after a call reports the master unreachable, master calls answer RPC_FAILED at once until
   the master's port accepts connections again (the client alone spends ~4 s in each call
-  while it reconnects);
+  while it reconnects); with elected masters (`etcd://`), until etcd answers, after which
+  the client itself finds the new leader;
 - integer codes become `Status` members.
 Mooncake is imported in `connect`, so importing hybridkv.transport never needs it.
 """
@@ -29,7 +30,7 @@ from hybridkv.transport.errors import (
     StoreUnavailable,
     error_for,
 )
-from hybridkv.transport.master import is_listening, split_address
+from hybridkv.transport.master_address import parse_master_address
 from hybridkv.transport.mooncake_client import load_client_class, prepare_environment, put_placement
 from hybridkv.transport.store import (
     Offsets,
@@ -61,7 +62,7 @@ class MooncakeStore:
         self.config = config
         # Mooncake's ReplicateConfig for new objects; None: Mooncake's default placement.
         self._placement = placement
-        self._master = split_address(config.master_server_address)
+        self._master = parse_master_address(config.master_server_address)
         self._state = threading.Condition()
         self._closed = False
         self._in_flight = 0
@@ -78,11 +79,9 @@ class MooncakeStore:
         (A port that accepts connections but is no master costs Mooncake's RPC timeout,
         about 30 s: setup holds the GIL, so it cannot be abandoned earlier from Python.)
         """
-        host, port = split_address(config.master_server_address)
-        if not is_listening(host, port, MASTER_PROBE_TIMEOUT_S):
-            raise StoreUnavailable(
-                f"Mooncake master {config.master_server_address} does not accept connections"
-            )
+        master = parse_master_address(config.master_server_address)
+        if not master.reachable(MASTER_PROBE_TIMEOUT_S):
+            raise StoreUnavailable(f"{master.describe()} does not accept connections")
         client_class = load_client_class()
         prepare_environment(config)
         client = client_class()
@@ -359,7 +358,7 @@ class MooncakeStore:
         if now - self._master_checked_at < MASTER_RECHECK_INTERVAL_S:
             return True
         self._master_checked_at = now
-        if is_listening(*self._master, timeout_s=MASTER_PROBE_TIMEOUT_S):
+        if self._master.reachable(MASTER_PROBE_TIMEOUT_S):
             self._master_down_since = None
             return False
         return True
