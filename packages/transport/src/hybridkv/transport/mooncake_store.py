@@ -120,6 +120,7 @@ class MooncakeStore:
         registration there, and registered memory is what any process reaching the
         transfer port may write into (docs/security.md). RDMA needs it (memory regions)."""
         if not self._registers:
+            self._refuse_if_closed()
             return
         with self._registering:
             held = self._registered.get(ptr)
@@ -258,12 +259,16 @@ class MooncakeStore:
 
     # -- internals --------------------------------------------------------------------
 
+    def _refuse_if_closed(self) -> None:
+        with self._state:
+            if self._closed:
+                raise StoreClosed("MooncakeStore is closed")
+
     @contextmanager
     def _call(self) -> Iterator[Any]:
         """Admit one client call unless closed; `close` waits until all have left."""
         with self._state:
-            if self._closed:
-                raise StoreClosed("MooncakeStore is closed")
+            self._refuse_if_closed()
             self._in_flight += 1
         try:
             yield self._client
