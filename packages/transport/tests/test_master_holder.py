@@ -424,3 +424,14 @@ def test_a_holder_is_unhealthy_until_its_segment_is_mounted() -> None:
         assert state.health() == (True, "ok")
     finally:
         listener.close()
+
+
+def test_a_holder_of_elected_masters_asks_etcd_whether_they_are_reachable() -> None:
+    listener = socket.create_server((LOOPBACK, 0))  # an etcd that accepts connections
+    port = listener.getsockname()[1]
+    try:
+        state = HolderState(16 << 20, f"etcd://{LOOPBACK}:{port}", mounted=True)
+        assert state.health() == (True, "ok")
+    finally:
+        listener.close()
+    assert not state.master_reachable()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridkv.transport.master import is_listening, split_address
+from hybridkv.transport.master_address import parse_master_address
 
 
 @dataclass
@@ -27,7 +27,7 @@ class HolderState:
     started: float = field(default_factory=time.monotonic)
 
     def master_reachable(self) -> bool:
-        return is_listening(*split_address(self.master_address))
+        return parse_master_address(self.master_address).reachable(timeout_s=0.5)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why): a probe's answer."""
