@@ -107,7 +107,8 @@ def route(
             (PRODUCER, prefill_config, {}),
             (CONSUMER, decode_config, LOADING_CONSUMER),
         ):
-            temp = runs_dir / f"pd-{shape}-{role}-tmp"
+            # short: vLLM's IPC sockets live there, and a socket path has at most 107 bytes
+            temp = runs_dir / f"pd-{shape}-{role[3]}"
             temp.mkdir()
             env = {"MOONCAKE_CONFIG_PATH": str(config), "TMPDIR": str(temp)}
             log = runs_dir / f"pd-{shape}-{role}.log"
