@@ -146,13 +146,19 @@ class MooncakeConfig(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_json_file(cls, path: str | Path) -> MooncakeConfig:
         """Read a Mooncake JSON config file (the format `MOONCAKE_CONFIG_PATH` points to)."""
-        try:
-            values = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
+        values = read_json_object(path)
         try:
             return cls.from_mapping(values)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in the file at `path`; ValueError naming the file otherwise."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    return values

@@ -3,14 +3,13 @@ configuration it runs with."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridkv.transport.config import MooncakeConfig
+from hybridkv.transport.config import MooncakeConfig, read_json_object
 from hybridkv.transport.master import LOOPBACK, ChildProcess, ServiceProcess
 
 READY_LINE = "ready"  # what the holder prints once its segment is mounted
@@ -24,13 +23,7 @@ def holder_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Moon
     command-line flags, by Mooncake field name). A holder must lend memory."""
     values: dict[str, Any] = dict(HOLDER_DEFAULTS)
     if path is not None:
-        try:
-            loaded = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(loaded).__name__}")
-        values.update(loaded)
+        values.update(read_json_object(path))
     values.update(overrides)
     where = f"{path}: " if path is not None else ""
     try:
