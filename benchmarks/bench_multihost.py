@@ -26,14 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests-e2e"))  # hosts, relay
 
 import tinymodels
-from figures import median, ms, ttft
+from figures import CHUNK, ms, transfer_median, ttft, ttft_spec
 from netns import TestNetwork, missing_capability, wait_until
-from vllm_instance import InstanceSpec, PromptResult, Step, run_instance, write_pool_config
+from vllm_instance import PromptResult, run_instance, write_pool_config
 
 from hybridkv.transport.master import ChildProcess, find_master_binary
 
-BLOCK = 32
-CHUNK = 512
 RPC_PORT = 50051
 HOSTS = ("master", "holder", "relay", "writer", "reader")
 RELAY = Path(__file__).resolve().parents[1] / "tests-e2e" / "delay_relay.py"
@@ -126,20 +124,7 @@ class Bench:
     def run(
         self, name: str, host: str, connector: dict[str, object] | None, prompts: list[list[int]]
     ) -> list[PromptResult]:
-        warmup = Step(prompts=[tinymodels.prompt_ids(2, CHUNK + 8)], max_tokens=1, logprobs=1)
-        spec = InstanceSpec(
-            model=str(self.model.path),
-            block_size=BLOCK,
-            max_model_len=self.args.prefix_tokens + 256,
-            max_num_batched_tokens=CHUNK,
-            connector=connector,
-            steps=[
-                warmup,
-                Step(
-                    prompts=prompts, max_tokens=1, logprobs=1, transfer_totals=connector is not None
-                ),
-            ],
-        )
+        spec = ttft_spec(str(self.model.path), self.args.prefix_tokens, connector, [prompts])
         address = self.hosts.network[host].address
         config = write_pool_config(
             self.root / f"mooncake-{host}.json", self.hosts.address, local_hostname=address
@@ -152,10 +137,6 @@ class Bench:
         launcher = self.hosts.network[host].argv([])
         result = run_instance(spec, self.root / "runs", name, env, launcher=launcher)
         return result.steps[1].prompts
-
-
-def _tail(prompts: list[PromptResult], key: str) -> float:
-    return median((p.transfer or {}).get(key, float("nan")) for p in prompts)
 
 
 def main() -> int:
@@ -207,8 +188,8 @@ def _measure(bench: Bench, args: argparse.Namespace) -> int:
         w, lw = ttft(whole), ttft(layered)
         print(
             f"  {rtt:6.1f} ms | {ms(w)}  {cold / w:8.2f}x | {ms(lw)}  {cold / lw:8.2f}x  "
-            f"{lw / w:14.2f}x  {ms(_tail(layered, 'load_wait_s'))}  "
-            f"{ms(_tail(layered, 'exposed_tail_s'))}   hits {sorted(hits)}",
+            f"{lw / w:14.2f}x  {ms(transfer_median(layered, 'load_wait_s'))}  "
+            f"{ms(transfer_median(layered, 'exposed_tail_s'))}   hits {sorted(hits)}",
             flush=True,
         )
     return 0

@@ -34,21 +34,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))  # shared harness
 
 import tinymodels
-from figures import median, ms, ttft
+from figures import CHUNK, ms, transfer_median, ttft, ttft_spec
 from load_watch import LoadWatch
 from vllm_instance import (
     InstanceResult,
-    InstanceSpec,
-    PromptResult,
-    Step,
     run_instance,
     write_pool_config,
 )
 
 from hybridkv.transport import MasterProcess, SegmentHolder
 
-BLOCK = 32
-CHUNK = 512  # tokens prefilled per step; the shared prefix is a whole number of chunks
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # transfer totals need it
 PREFETCH = (0, 1, 2, 4)
 BACKLOG_DEFAULT = 8
@@ -62,10 +57,6 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
-
-
-def _tail(prompts: list[PromptResult], key: str) -> float:
-    return median((p.transfer or {}).get(key, float("nan")) for p in prompts)
 
 
 class Bench:
@@ -88,21 +79,7 @@ class Bench:
     def run(
         self, name: str, connector: dict[str, object] | None, steps: list[list[list[int]]]
     ) -> InstanceResult:
-        warmup = Step(prompts=[tinymodels.prompt_ids(2, CHUNK + 8)], max_tokens=1, logprobs=1)
-        spec = InstanceSpec(
-            model=str(self.model.path),
-            block_size=BLOCK,
-            max_model_len=self.args.prefix_tokens + 256,
-            max_num_batched_tokens=CHUNK,
-            connector=connector,
-            steps=[
-                warmup,
-                *(
-                    Step(prompts=p, max_tokens=1, logprobs=1, transfer_totals=connector is not None)
-                    for p in steps
-                ),
-            ],
-        )
+        spec = ttft_spec(str(self.model.path), self.args.prefix_tokens, connector, steps)
         return run_instance(spec, self.runs, name, self.env)
 
 
@@ -181,12 +158,13 @@ def main() -> int:
             "warm: TTFT  load_wait finish_wait      tail"
         )
         for prefetch, backlog, storing, warm in rows:
+            store_waits = ("backlog_wait_s", "finish_wait_s", "exposed_tail_s")
+            load_waits = ("load_wait_s", "finish_wait_s", "exposed_tail_s")
             print(
                 f"  {prefetch:8d} {backlog:7d} | {ms(ttft(storing))} "
-                f"{ms(_tail(storing, 'backlog_wait_s'))}    {ms(_tail(storing, 'finish_wait_s'))}"
-                f"  {ms(_tail(storing, 'exposed_tail_s'))} | {ms(ttft(warm))} "
-                f"{ms(_tail(warm, 'load_wait_s'))}    {ms(_tail(warm, 'finish_wait_s'))}"
-                f"  {ms(_tail(warm, 'exposed_tail_s'))}"
+                + "    ".join(ms(transfer_median(storing, key)) for key in store_waits)
+                + f" | {ms(ttft(warm))} "
+                + "    ".join(ms(transfer_median(warm, key)) for key in load_waits)
             )
         print(load.report())
     return 0
