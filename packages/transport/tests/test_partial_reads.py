@@ -10,12 +10,15 @@ master (the `store` fixture).
 
 from __future__ import annotations
 
+import itertools
 import uuid
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridkv.keys import Entry, GroupReads, ObjectMap, Span, plan_reads
 from hybridkv.transport.engine import TransferEngine
@@ -185,9 +188,13 @@ def key(prefix: str, layout: ObjectMap | tuple[int, int, int], block: int) -> st
     return f"{prefix}@pp:{stage}@group:{group}@head:{shard}@{block}"
 
 
+def unique_key_prefix() -> str:
+    return f"partial-{uuid.uuid4().hex[:12]}"
+
+
 @pytest.fixture
 def prefix() -> str:
-    return f"partial-{uuid.uuid4().hex[:12]}"
+    return unique_key_prefix()
 
 
 def put_writer_objects(store: Store, prefix: str, scenario: Scenario, skip: set[str]) -> None:
@@ -356,3 +363,74 @@ def test_staged_partial_reads_check_the_integrity_tag_of_each_whole_object(
     loaded = load(tagged, prefix, scenario, ("load", "staged"))
     assert loaded.result.ok, loaded.result
     assert_landed(loaded, failed_sources={})
+
+
+@st.composite
+def cut_objects(draw: st.DrawFn) -> tuple[list[int], bool, list[list[tuple[int, int, int]]]]:
+    """Reader cache sizes, whether they are block-major, and writer objects as lists of
+    chunks (reader entry or -1 for bytes nobody reads here, offset in it, length)."""
+    sizes = draw(st.lists(st.integers(1, 48), min_size=1, max_size=4))
+    objects: list[list[tuple[int, int, int]]] = [[] for _ in range(draw(st.integers(1, 3)))]
+    for index, size in enumerate(sizes):
+        cuts = sorted(draw(st.sets(st.integers(1, size - 1), max_size=3))) if size > 1 else []
+        bounds = [0, *cuts, size]
+        for start, stop in itertools.pairwise(bounds):
+            owner = draw(st.integers(0, len(objects) - 1))
+            objects[owner].append((index, start, stop - start))
+    for chunks in objects:
+        chunks += [(-1, 0, n) for n in draw(st.lists(st.integers(1, 16), max_size=2))]
+    shuffled = [draw(st.permutations(chunks)) for chunks in objects if chunks]
+    return sizes, draw(st.booleans()), shuffled
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cut=cut_objects(), mode=st.sampled_from(MODES), seed=st.integers(0, 2**32 - 1))
+def test_any_cut_of_reader_caches_into_writer_objects_reads_back_exactly(
+    cut: tuple[list[int], bool, list[list[tuple[int, int, int]]]],
+    mode: tuple[str, str],
+    seed: int,
+) -> None:
+    sizes, block_major, objects = cut
+    reader = ObjectMap(0, GROUP, 0, tuple(Entry(f"l{i}", "c", n) for i, n in enumerate(sizes)))
+    caches = ReaderCaches(reader, block_major)
+    rng = np.random.default_rng(seed)
+    expected = [rng.integers(0, 256, (len(READER_BLOCKS), n), dtype=np.uint8) for n in sizes]
+    store, prefix = MemoryStore(), unique_key_prefix()
+    layouts, loads = [], []
+    for number, chunks in enumerate(objects):
+        pieces, blobs, offset = [], [], 0
+        for index, start, length in chunks:
+            if index >= 0:
+                pieces.append((caches.entries[index].piece(start, length), offset))
+                blobs.append(expected[index][:, start : start + length])
+            else:
+                blobs.append(rng.integers(0, 256, (len(READER_BLOCKS), length), dtype=np.uint8))
+            offset += length
+        data = np.ascontiguousarray(np.concatenate(blobs, axis=1))
+        keys = [f"{prefix}@{number}@{block}" for block in range(len(READER_BLOCKS))]
+        ptrs = [[int(data[block].ctypes.data)] for block in range(len(READER_BLOCKS))]
+        assert all(s.ok for s in store.batch_put_whole(keys, ptrs, [[offset]] * len(keys)))
+        if not pieces:
+            continue
+        layout = GroupLayout.partial(FIRST_PARTIAL_ID + number, GROUP, offset, pieces)
+        layouts.append(layout)
+        loads += [
+            BlockTransfer(keys[block], layout.group_id, local, "reader", block)
+            for block, local in enumerate(READER_BLOCKS)
+        ]
+    how, granularity = mode
+    with TransferEngine(store, layouts, PipelineOptions(granularity=granularity)) as engine:
+        if how == "load":
+            result = engine.load(loads).wait(timeout=60)
+        else:
+            step = engine.begin_layerwise(loads=loads)
+            for layer in range(len(sizes)):
+                step.wait_layer_loaded(layer)
+            result = step.finish()
+    assert result.ok, result
+    for index, view in enumerate(caches.views):
+        assert (view[READER_BLOCKS] == expected[index]).all()
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(READER_BLOCKS))
+    assert all((view[untouched] == GUARD).all() for view in caches.views)
+    for array in caches.memory:  # padding after each block's caches
+        assert (array[:, array.shape[1] - caches.padding :] == GUARD).all()
