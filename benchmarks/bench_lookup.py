@@ -12,7 +12,8 @@ today's one query about every storing head of every block of every group (the co
 still asks so below 2048 keys), "search" the coordinator's `HitSearch`.
 Times are the median of `--repeats` re-asks of one waiting request, the two kinds in
 turn (vLLM asks again each step while a request waits; its block hashes are computed
-once, at its first ask, a search timed apart as "first ask": it hashes N tokens). Every
+once, at its first ask, a search timed apart as "first ask": it hashes N tokens and makes
+the request's store mask, each also timed alone as "hash" and "mask"). Every
 lookup's hit is checked: both find the held half.
 
 Run: `python benchmarks/bench_lookup.py [--objects 1000000] [--lengths 4096 32768 131072
@@ -132,10 +133,22 @@ def measure(row: Row, repeats: int) -> dict[str, float]:
     """Median seconds per lookup of each kind, the two alternating on one waiting request,
     and its first ask (a search, hashing the prompt)."""
     request = row.request("waiting")
+    start = time.perf_counter()
+    RequestHashes(row.keys.plan, "", request).cover(row.prompt, len(row.prompt))
+    hashing = time.perf_counter() - start
+    start = time.perf_counter()
+    row.side.coordinator.store_mask(len(row.prompt))
+    masking = time.perf_counter() - start
     exact(row, False)
     seconds, hit = timed_lookup(row, request)
     check(row, hit, "first ask")
-    times: dict[str, list[float]] = {"all keys": [], "search": [], "first ask": [seconds]}
+    times: dict[str, list[float]] = {
+        "all keys": [],
+        "search": [],
+        "first ask": [seconds],
+        "hash": [hashing],
+        "store mask": [masking],
+    }
     for repeat in range(repeats):
         kinds = ["all keys", "search"] if repeat % 2 else ["search", "all keys"]
         for kind in kinds:
@@ -195,7 +208,7 @@ def main() -> int:
             )
             print(
                 f"{'prompt':<34} {'keys (all)':>11} {'all keys ms':>12} {'search ms':>10} "
-                f"{'ratio':>7} {'first ask ms':>13}"
+                f"{'ratio':>7} {'first ask ms':>13} {'(hash':>7} {'mask)':>6}"
             )
             for row in rows:
                 median = measure(row, args.repeats)
@@ -203,7 +216,8 @@ def main() -> int:
                 print(
                     f"{row.label:<34} {row.exact_keys:>11,} {median['all keys'] * 1e3:>12.1f} "
                     f"{median['search'] * 1e3:>10.2f} {ratio:>6.0f}x "
-                    f"{median['first ask'] * 1e3:>13.1f}",
+                    f"{median['first ask'] * 1e3:>13.1f} {median['hash'] * 1e3:>7.1f} "
+                    f"{median['store mask'] * 1e3:>6.1f}",
                     flush=True,
                 )
         finally:
