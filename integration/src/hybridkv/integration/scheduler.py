@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from hybridkv.integration.block_query import BlockQuery, Query, RenderingQuery
 from hybridkv.integration.checkpoints import PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.hit_finder import HitFinder, Query
+from hybridkv.integration.hit_finder import HitFinder
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.kv_events import EventBuilder
 from hybridkv.integration.load_planner import LoadPlanner, PendingLoad
@@ -56,6 +57,7 @@ class SchedulerSide:
         use_eagle: bool = False,
         local_hit_unit: int = 0,
         steps_ahead: int = 0,
+        block_query: BlockQuery | None = None,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
@@ -67,7 +69,9 @@ class SchedulerSide:
         `drops_eagle_block`); hits from the pool, and the states saved for them, follow.
         `local_hit_unit`: vLLM's hash block size, which its own prefix-cache hits end on a
         multiple of (0: the plan's hash unit). `steps_ahead`: how many steps vLLM schedules
-        before it reports a step's outcome (async scheduling, pipeline stages)."""
+        before it reports a step's outcome (async scheduling, pipeline stages).
+        `block_query`: the pool asked by block hashes, their keys rendered where the store
+        is (the lookup socket); None: `query` asked by keys rendered here."""
         self.keys = keys
         self.plan = keys.plan
         self.config = config
@@ -79,8 +83,9 @@ class SchedulerSide:
         local_unit = math.gcd(self.plan.hash_block_size, local_hit_unit)
         quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self._queried_tokens = 0  # asked of the pool past vLLM's own hits: hit rate's base
+        asked = RenderingQuery(keys, query) if block_query is None else block_query
         self._hits = HitFinder(
-            keys, self.coordinator, query, quarantine, tail_unit, config.test_exact_lookup_keys
+            keys, self.coordinator, asked, quarantine, tail_unit, config.test_exact_lookup_keys
         )
         load_async = config.load_async or load_async_required
         self._loads = LoadPlanner(self.plan, self.coordinator, load_async)
