@@ -75,9 +75,9 @@ class Row:
     def connect(self, client: LookupClient) -> None:
         """Look up through `client`, by block hashes (the server renders the keys)."""
         self.client = client
-        self.side = SchedulerSide(
-            self.keys, ConnectorConfig(), client.query, block_query=client.query_blocks
-        )
+        # Re-asks measure the pool query: none is answered from the answer memory.
+        config = ConnectorConfig(lookup_memory_s=0)
+        self.side = SchedulerSide(self.keys, config, client.query, block_query=client.query_blocks)
 
     def held_keys(self) -> list[str]:
         return self.prompt_keys(self.held)
