@@ -1,5 +1,6 @@
-"""A waiting request's lookup answer, given again to vLLM's next asks without a pool
-query, and never past a failed load, a quarantine or a cache reset."""
+"""vLLM's repeated asks about a waiting request: its lookup answer, given again without a
+pool query, and never past a failed load, a quarantine or a cache reset; its tokens,
+hashed once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.scheduler import SchedulerSide
+from hybridkv.keys import BlockHasher
 
 
 def _side(vllm_specs: Any, **config: Any) -> tuple[SchedulerSide, Pool, Clock]:
@@ -82,3 +84,23 @@ def test_a_lookup_without_answer_is_not_remembered(vllm_specs: Any) -> None:
     pool.down = False
     assert side.num_new_matched_tokens(waiting, 0) == (160, False)
     assert pool.queries == 2
+
+
+def test_a_waiting_request_asked_again_hashes_no_token_again(
+    vllm_specs: Any, monkeypatch: Any
+) -> None:
+    side, pool, _ = _side(vllm_specs, lookup_memory_s=0)
+    hashed: list[int] = []
+    extend = BlockHasher.extend
+
+    def counted(self: BlockHasher, token_ids: Any, extra: object = None) -> list[bytes]:
+        token_ids = list(token_ids)
+        hashed.append(len(token_ids))
+        return extend(self, token_ids, extra)
+
+    monkeypatch.setattr(BlockHasher, "extend", counted)
+    waiting = request("r", TOKENS)
+    for _ in range(3):
+        assert side.num_new_matched_tokens(waiting, 0) == (160, False)
+    assert pool.queries == 3
+    assert hashed == [len(TOKENS)]
