@@ -11,6 +11,8 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from hybridkv.integration.block_query import BlockBatch
+
 # What one request may carry. A 1M-token prompt at 16-token blocks, 8 storing heads and
 # 4 groups asks 2M keys of ~130 B: 32 round trips of at most 65,536 keys (~8.5 MiB) each
 # by keys; by block hashes (`BlocksRequest`) the same objects, about 34 B a block, in as
@@ -31,7 +33,7 @@ class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
     keys: Annotated[list[str], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
 
 
-class BlockBatch(msgspec.Struct, frozen=True, array_like=True):
+class HashBatch(msgspec.Struct, frozen=True, array_like=True):
     """Every stage's objects of `heads` of each of `hashes` in plan group `group`."""
 
     group: Annotated[int, msgspec.Meta(ge=0)]
@@ -48,7 +50,7 @@ class BlocksRequest(msgspec.Struct, frozen=True, tag="blocks"):
     """Per hash, whether all its objects are readable: the server renders the keys with
     its model's key space. At most `MAX_REQUEST_KEYS` (hash, head) pairs in all."""
 
-    batches: Annotated[list[BlockBatch], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
+    batches: Annotated[list[HashBatch], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
 
     def objects(self) -> int:
         """(hash, head) pairs asked: the keys rendered, per stage."""
@@ -129,13 +131,11 @@ def lookup_payloads(keys: list[str]) -> list[tuple[int, bytes]]:
     return payloads
 
 
-def blocks_payloads(
-    batches: Sequence[tuple[int, Sequence[bytes], Sequence[int]]],
-) -> list[tuple[int, bytes]]:
+def blocks_payloads(batches: Sequence[BlockBatch]) -> list[tuple[int, bytes]]:
     """The requests of one lookup by block hashes, each within the server's caps: (hashes,
     payload) each. Batches are cut so that no request asks more than `MAX_REQUEST_KEYS`
     (hash, head) pairs (well under `MAX_REQUEST_BYTES`: 32 B a hash, whatever the heads)."""
-    requests: list[list[BlockBatch]] = [[]]
+    requests: list[list[HashBatch]] = [[]]
     room = MAX_REQUEST_KEYS
     for group, hashes, heads in batches:
         if not 0 < len(heads) <= MAX_BATCH_HEADS:
@@ -147,7 +147,7 @@ def blocks_payloads(
                 room = MAX_REQUEST_KEYS
             take = min(len(hashes) - start, room // len(heads))
             part = list(hashes[start : start + take])
-            requests[-1].append(BlockBatch(group, list(heads), part))
+            requests[-1].append(HashBatch(group, list(heads), part))
             room -= take * len(heads)
             start += take
     return [
