@@ -24,6 +24,7 @@ from scheduler_rig import (
 )
 
 from hybridkv.integration import hit_finder
+from hybridkv.integration.block_query import RenderingQuery
 from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
@@ -112,7 +113,7 @@ def test_lookup_seconds_sum_the_time_lookups_take(vllm_specs: Any) -> None:
         time.sleep(0.05)
         return answered(keys)
 
-    side._hits.query = slow_pool
+    side._hits.query = RenderingQuery(side.keys, slow_pool)
     side.num_new_matched_tokens(request("r", TOKENS), 0)
     side.num_new_matched_tokens(request("s", TOKENS), 0)
     assert side.take_stats()["lookup_seconds"] >= 0.1
@@ -211,7 +212,7 @@ def test_a_tail_query_without_answer_keeps_the_aligned_hit_and_is_no_failed_look
         pool.down = pool.queries > 0
         return answered(keys)
 
-    side._hits.query = first_query_only
+    side._hits.query = RenderingQuery(side.keys, first_query_only)
     pool.queries = 0
     assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
     assert pool.queries == 2
@@ -232,13 +233,13 @@ def test_a_failed_second_tail_query_keeps_the_aligned_hit(vllm_specs: Any) -> No
         pool.down = pool.queries > 1
         return answered(keys)
 
-    side._hits.query = two_queries_only
+    side._hits.query = RenderingQuery(side.keys, two_queries_only)
     pool.queries = 0
     assert side.num_new_matched_tokens(request("r", prompt), 0) == (160, False)
     # Candidates 176 and 168 (after the aligned 160; 179 caps them), one object each.
     assert sizes[1:] == [2, 1]
     pool.down = False
-    side._hits.query = answered
+    side._hits.query = RenderingQuery(side.keys, answered)
     assert side.num_new_matched_tokens(request("r", prompt), 0) == (176, False)
 
 
@@ -340,7 +341,7 @@ def test_a_long_lookup_searches_the_same_hit_with_far_fewer_keys(
         asked.append(len(keys))
         return answered(keys)
 
-    side._hits.query = counting
+    side._hits.query = RenderingQuery(side.keys, counting)
     hit, _ = side.num_new_matched_tokens(request("r", LONG), 0)
     assert hit == min(stored, both_heads, len(LONG) - 1) // 32 * 32
     exact_keys = 2 * 1000  # 2 heads x 1,000 blocks

@@ -34,6 +34,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SECONDS_KEYS = (
     "full_pool_pause_s",
     "failed_load_quarantine_s",
+    "lookup_memory_s",
     "lookup_probe_backoff_s",
     "lookup_probe_max_backoff_s",
 )
@@ -86,6 +87,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Objects whose load failed count as absent for lookups this many seconds (a dead
     # holder's objects stay listed by the master until its client TTL, 10 s by default).
     failed_load_quarantine_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # A waiting request's lookup answer is given again, without asking the pool, to
+    # vLLM's next asks for this long (0: every ask asks the pool; see answer_memory.py).
+    lookup_memory_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # False: never look up or load (the instance only stores), whatever its role.
     enable_lookup: bool = True
     # vLLM MooncakeStoreConnector's asynchronous lookup: hybridkv's lookup is one round trip

@@ -138,6 +138,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 use_eagle=drops_eagle_block(vllm_config),
                 local_hit_unit=hash_block_size(vllm_config, kv_cache_config),
                 steps_ahead=vllm_config.max_concurrent_batches - 1,
+                block_query=self._client.query_blocks,
             )
 
     @property
@@ -267,14 +268,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.engine.batch_is_readable,
                 self._channel.endpoint,
                 self._remove_from_pool,
+                keys=self._scheduler_keys(),
             )
 
-    def _remove_from_pool(self) -> int:
-        # Every stage's objects (this worker's key space renders its own stage's only).
-        # Not forced: an object read in the last lease period may still be in flight to
-        # another instance, and freeing it could hand its memory to a new put mid-read.
+    def _scheduler_keys(self) -> KeySpace:
+        """The scheduler's key space: every stage's (this worker's renders its own stage's
+        only)."""
         model = model_name(self._vllm_config.model_config.model)
-        prefixes = KeySpace(self.plan, model, self.config.namespace).prefixes()
+        return KeySpace(self.plan, model, self.config.namespace)
+
+    def _remove_from_pool(self) -> int:
+        # Every stage's objects. Not forced: an object read in the last lease period may
+        # still be in flight to another instance, and freeing it could hand its memory to
+        # a new put mid-read.
+        prefixes = self._scheduler_keys().prefixes()
         store = self.worker_side.engine.store
         return sum(store.remove_by_prefix(prefix) for prefix in prefixes)
 

@@ -16,12 +16,13 @@ one place that asks the pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import groupby
 from operator import itemgetter
 from typing import Any
 
 from hybridkv.coordinator import Asks, Coordinator, Hit, HitSearch, Masks
+from hybridkv.integration.block_query import BlockBatch, BlockQuery, per_block, render
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.quarantine import Quarantine
 from hybridkv.integration.tracked_requests import TrackedRequest
@@ -35,8 +36,6 @@ PROBE_HEADS = range(1)
 # those inside the block after the aligned hit besides).
 MAX_TAIL_CANDIDATES = 512
 
-Query = Callable[[Sequence[str]], "list[bool] | None"]
-
 
 class HitFinder:
     """Looks requests up in the pool; counts lookups, failed ones and quarantined keys."""
@@ -45,12 +44,13 @@ class HitFinder:
         self,
         keys: KeySpace,
         coordinator: Coordinator,
-        query: Query,
+        query: BlockQuery,
         quarantine: Quarantine,
         tail_unit: int,
         exact_keys: int,
     ) -> None:
-        """`query`: the pool's answer per key (None: no answer). `quarantine`: keys whose
+        """`query`: per block hash asked, whether its objects are readable (None: no
+        answer); it may render their keys where the store is. `quarantine`: keys whose
         objects failed to load, absent while held. `tail_unit`: vLLM's hash unit where its
         prefix cache hits inside blocks (prompt tails are looked up at its multiples); 0:
         whole blocks only. `exact_keys`: lookups asking at most this many keys ask them
@@ -128,7 +128,7 @@ class HitFinder:
         """One query for a search round: probes ask one head, confirmations every
         storing head (None if the query failed)."""
         groups = self._plan.groups
-        batches: list[tuple[int, list[bytes], Sequence[int]]] = []
+        batches: list[BlockBatch] = []
         for blocks, probing in ((asks.probes, True), (asks.confirms, False)):
             for group, run in groupby(blocks, key=itemgetter(0)):
                 hashes = tracked.hashes.for_group(groups[group].block_size)
@@ -191,25 +191,21 @@ class HitFinder:
             [(group, hashes, groups[group].heads.heads) for group, hashes in batches]
         )
 
-    def _objects_readable(
-        self, batches: Sequence[tuple[int, Sequence[bytes], Sequence[int]]]
-    ) -> list[list[bool]] | None:
+    def _objects_readable(self, batches: Sequence[BlockBatch]) -> list[list[bool]] | None:
         """Per (plan group, block hashes, heads) batch, whether each hash's objects of
         those heads (every stage's) are all readable, learnt in ONE query (None if it
-        failed). Quarantined keys count as absent."""
-        keys: list[str] = []
-        for group, hashes, heads in batches:
-            keys.extend(self._keys.keys(group, hashes, heads))
-        answers = self.query(keys) if keys else []
+        failed). Quarantined keys count as absent (rendered here only while any is)."""
+        asked = any(hashes for _, hashes, _ in batches)
+        answers = self.query(batches) if asked else []
         if answers is None:
             return None
-        held = self.quarantine.holding(keys)
-        answers = [ok and not out for ok, out in zip(answers, held, strict=True)]
+        if len(self.quarantine):
+            held = self.quarantine.holding(render(self._keys, batches))
+            free = per_block(self._keys, batches, [not out for out in held])
+            answers = [ok and unheld for ok, unheld in zip(answers, free, strict=True)]
         readable: list[list[bool]] = []
         position = 0
-        for _, hashes, heads in batches:
-            width = len(heads) * self._keys.stages
-            stop = position + width * len(hashes)
-            readable.append([all(answers[at : at + width]) for at in range(position, stop, width)])
-            position = stop
+        for _, hashes, _ in batches:
+            readable.append(answers[position : position + len(hashes)])
+            position += len(hashes)
         return readable

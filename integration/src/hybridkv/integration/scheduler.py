@@ -17,9 +17,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from hybridkv.coordinator import Hit
+from hybridkv.integration.answer_memory import AnswerMemory
+from hybridkv.integration.block_query import BlockQuery, Query, RenderingQuery
 from hybridkv.integration.checkpoints import PrefillCheckpoints
 from hybridkv.integration.config import ConnectorConfig
-from hybridkv.integration.hit_finder import HitFinder, Query
+from hybridkv.integration.hit_finder import HitFinder
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.kv_events import EventBuilder
 from hybridkv.integration.load_planner import LoadPlanner, PendingLoad
@@ -56,18 +59,22 @@ class SchedulerSide:
         use_eagle: bool = False,
         local_hit_unit: int = 0,
         steps_ahead: int = 0,
+        block_query: BlockQuery | None = None,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
         `load_async_required`: load in the background even if `load_async` is off (vLLM
         recovers from a failed load of a hybrid model only while the request waits).
-        `clock`: the time that quarantined keys are released by. `checkpoints`: the Mamba
-        groups whose prefill chunks leave a block holding an inner state (saved only as a
-        prompt tail). `use_eagle`: vLLM drops the last block of its own hits (see
-        `drops_eagle_block`); hits from the pool, and the states saved for them, follow.
+        `clock`: the time that quarantined keys are released by, and remembered answers
+        age by. `checkpoints`: the Mamba groups whose prefill chunks leave a block holding
+        an inner state (saved only as a prompt tail). `use_eagle`: vLLM drops the last
+        block of its own hits (see `drops_eagle_block`); hits from the pool, and the
+        states saved for them, follow.
         `local_hit_unit`: vLLM's hash block size, which its own prefix-cache hits end on a
         multiple of (0: the plan's hash unit). `steps_ahead`: how many steps vLLM schedules
-        before it reports a step's outcome (async scheduling, pipeline stages)."""
+        before it reports a step's outcome (async scheduling, pipeline stages).
+        `block_query`: the pool asked by block hashes, their keys rendered where the store
+        is (the lookup socket); None: `query` asked by keys rendered here."""
         self.keys = keys
         self.plan = keys.plan
         self.config = config
@@ -79,8 +86,9 @@ class SchedulerSide:
         local_unit = math.gcd(self.plan.hash_block_size, local_hit_unit)
         quarantine = Quarantine(config.failed_load_quarantine_s, clock)
         self._queried_tokens = 0  # asked of the pool past vLLM's own hits: hit rate's base
+        asked = RenderingQuery(keys, query) if block_query is None else block_query
         self._hits = HitFinder(
-            keys, self.coordinator, query, quarantine, tail_unit, config.test_exact_lookup_keys
+            keys, self.coordinator, asked, quarantine, tail_unit, config.test_exact_lookup_keys
         )
         load_async = config.load_async or load_async_required
         self._loads = LoadPlanner(self.plan, self.coordinator, load_async)
@@ -103,6 +111,7 @@ class SchedulerSide:
             self._saves.regrow_mask,
         )
         self._lookup_seconds = 0.0
+        self._answers: AnswerMemory[tuple[Hit, Hit]] = AnswerMemory(config.lookup_memory_s, clock)
 
     @property
     def generation(self) -> int:
@@ -121,6 +130,7 @@ class SchedulerSide:
         self._taint.reset(self._requests)
         self._requests.clear()
         self._loads.reset()
+        self._answers.clear()
 
     def _track(self, request: Any) -> TrackedRequest:
         return self._requests.track(request, self._taint.generation)
@@ -147,7 +157,11 @@ class SchedulerSide:
         if not self._hits.worth_asking(request, num_computed):
             return 0, False
         self._queried_tokens += request.num_tokens - num_computed
-        found = self._hits.find(request, self._track(request), num_computed)
+        found = self._answers.answer(
+            request,
+            num_computed,
+            lambda: self._hits.find(request, self._track(request), num_computed),
+        )
         if found is None:
             return 0, False
         hit, aligned = found
@@ -242,7 +256,10 @@ class SchedulerSide:
             tracked = self._requests.get(request_id)
             if tracked is not None:
                 tracked.scanned[group] = min(tracked.scanned[group], index)
-        self._hits.quarantine_failed(list(keys))
+        failed_keys, request_ids = list(keys), list(request_ids)
+        self._hits.quarantine_failed(failed_keys)
+        if failed_keys or request_ids or invalid:  # rare: any answer may count on them
+            self._answers.clear()
         for request_id in request_ids:
             dropped = self._requests.pop(request_id)
             if dropped is not None:  # (not one that finished while it loaded)
@@ -250,6 +267,7 @@ class SchedulerSide:
                 self._taint.load_failed(request_id, dropped)
 
     def forget(self, request_id: str) -> None:
+        self._answers.forget(request_id)
         self._taint.forget(request_id)
         self._loads.forget(request_id)
         self._requests.pop(request_id)

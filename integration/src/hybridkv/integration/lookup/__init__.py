@@ -1,8 +1,11 @@
 """The scheduler's requests to the pool, made of worker rank 0 over ZMQ.
 
 The scheduler process holds no store client; worker rank 0 does. One round trip (DEALER to
-REP) per query carries every key of that query (msgspec-encoded; past the request caps
-below, several do; a long prompt's lookup is a few small queries, see `hit_finder`); a
+REP) per query carries the block hashes of that query, with the group and heads whose
+objects it asks about (msgspec-encoded; past the request caps below, several do; a long
+prompt's lookup is a few small queries, see `hit_finder`); the server renders their keys
+with its model's key space and answers per hash (`block_query`). A lookup by rendered
+keys is still answered (tests, tools); a
 cache reset asks for the model's objects to be removed the same way
 (which objects, the server alone decides: its own model's, so that whoever reaches its
 loopback port cannot name others'). The server answers every request, a malformed one with
@@ -22,9 +25,9 @@ instance even when its workers are killed.
 A fixed port is open to every local user: with `HYBRIDKV_LOOKUP_SECRET` set on both sides,
 the server speaks ZMQ CURVE with keys derived from it, so that a peer without the secret
 completes no handshake (it can neither ask nor answer) and nothing it sends reaches the
-server as a request. The server refuses requests past `MAX_REQUEST_KEYS` keys or
-`MAX_REQUEST_BYTES` bytes (ZMQ drops a peer that sends a larger message); the client
-splits a longer lookup into several round trips under those caps.
+server as a request. The server refuses requests past `MAX_REQUEST_KEYS` keys (by hashes:
+(hash, head) pairs) or `MAX_REQUEST_BYTES` bytes (ZMQ drops a peer that sends a larger
+message); the client splits a longer lookup into several round trips under those caps.
 """
 
 from hybridkv.integration.lookup.breaker import Breaker

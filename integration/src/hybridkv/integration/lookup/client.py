@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 import zmq
 
+from hybridkv.integration.block_query import BlockBatch
 from hybridkv.integration.lookup import wire
 from hybridkv.integration.lookup.breaker import PROBE_BACKOFF_S, PROBE_MAX_BACKOFF_S, Breaker
 from hybridkv.integration.lookup.wire import (
     LookupReply,
     LookupRequest,
     RemoveRequest,
+    blocks_payloads,
     decode_reply,
     encode,
     lookup_payloads,
@@ -23,6 +26,8 @@ from hybridkv.integration.lookup.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+_Asked = TypeVar("_Asked")
 
 # A removal walks the whole pool (a big one takes seconds): it is given at least this
 # long, so that a reset that did remove is not reported failed for a lookup's timeout.
@@ -82,6 +87,7 @@ class LookupClient:
         self.skipped = 0  # lookups answered miss, not sent, while the pool counted as down
         self._told = False  # whether this outage's first skipped lookup was warned of
         self._reported: dict[str, int] = {}  # the counts `take_stats` last returned
+        self.sent_bytes = 0  # lookup requests' payloads sent (a benchmark reads it)
 
     def take_stats(self) -> dict[str, int]:
         """The breaker's counts since the last call (the connector's stats)."""
@@ -124,14 +130,26 @@ class LookupClient:
 
         A lookup past the server's caps goes out in several requests, all within the one
         timeout."""
+        return self._lookup(lookup_payloads, list(keys))
+
+    def query_blocks(self, batches: Sequence[BlockBatch]) -> list[bool] | None:
+        """Per hash of `batches`, whether all its objects are readable (the server renders
+        their keys), or None as for `query`."""
+        return self._lookup(blocks_payloads, batches)
+
+    def _lookup(
+        self, split: Callable[[_Asked], list[tuple[int, bytes]]], asked: _Asked
+    ) -> list[bool] | None:
+        """One lookup: its requests (`split` within the caps), answered in order."""
         deadline = time.monotonic() + self._timeout_ms / 1000
         try:
-            payloads = lookup_payloads(list(keys))
+            payloads = split(asked)
         except ValueError as exc:
             logger.warning("hybridkv lookup not sent (%s): recomputing instead", exc)
             return None
         readable: list[bool] = []
         for count, payload in payloads:
+            self.sent_bytes += len(payload)
             remaining_ms = max(1, round((deadline - time.monotonic()) * 1000))
             reply = self._ask(
                 payload, "lookup", "recomputing instead", remaining_ms, wait_late=False

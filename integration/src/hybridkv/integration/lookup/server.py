@@ -8,11 +8,15 @@ import threading
 import msgspec
 import zmq
 
+from hybridkv.integration.block_query import per_block, render
+from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.lookup import wire
 from hybridkv.integration.lookup.channel import LOOPBACK
 from hybridkv.integration.lookup.wire import (
+    MAX_REQUEST_KEYS,
     MULTIPART_REPLY,
     SECRET_ENV,
+    BlocksRequest,
     LookupReply,
     Readability,
     Removal,
@@ -39,7 +43,8 @@ class LookupServer:
     readability function and `RemoveRequest`s from a removal function.
 
     `secret`: the shared secret of CURVE authentication; None reads `HYBRIDKV_LOOKUP_SECRET`
-    (unset: none), b"" is none.
+    (unset: none), b"" is none. `keys`: the scheduler's key space (every stage's), which
+    renders the keys of a `BlocksRequest` (None: only lookups by keys are answered).
     """
 
     def __init__(
@@ -48,8 +53,10 @@ class LookupServer:
         endpoint: str = f"tcp://{LOOPBACK}:*",
         remove: Removal | None = None,
         secret: bytes | None = None,
+        keys: KeySpace | None = None,
     ) -> None:
         self._readable = readable
+        self._keys = keys
         self._remove = remove
         secret = resolve_secret(secret)
         self._context = zmq.Context()
@@ -85,14 +92,39 @@ class LookupServer:
             return LookupReply(error=f"malformed lookup request: {exc}")
         if isinstance(request, RemoveRequest):
             return self._answer_remove()
+        if isinstance(request, BlocksRequest):
+            return self._answer_blocks(request)
+        return self._answer_keys(request.keys)
+
+    def _answer_keys(self, keys: list[str]) -> LookupReply:
         try:
-            answers = self._readable(request.keys)
+            answers = self._readable(keys)
         except Exception as exc:  # the pool failing must not take the server down
-            logger.warning("hybridkv lookup of %d keys failed: %s", len(request.keys), exc)
+            logger.warning("hybridkv lookup of %d keys failed: %s", len(keys), exc)
             return LookupReply(error=f"lookup failed: {type(exc).__name__}: {exc}")
-        if len(answers) != len(request.keys):
-            return LookupReply(error=f"{len(answers)} answers for {len(request.keys)} keys")
+        if len(answers) != len(keys):
+            return LookupReply(error=f"{len(answers)} answers for {len(keys)} keys")
         return LookupReply(readable=[bool(answer) for answer in answers])
+
+    def _answer_blocks(self, request: BlocksRequest) -> LookupReply:
+        """Per hash, whether every key it renders to is readable."""
+        if self._keys is None:
+            return LookupReply(error="this lookup server renders no keys: ask by keys")
+        objects = request.objects()
+        if objects > MAX_REQUEST_KEYS:
+            return LookupReply(
+                error=f"malformed lookup request: {objects} (hash, head) pairs, over the "
+                f"{MAX_REQUEST_KEYS} a request may ask"
+            )
+        batches = [(batch.group, batch.hashes, batch.heads) for batch in request.batches]
+        try:
+            keys = render(self._keys, batches)
+        except ValueError as exc:
+            return LookupReply(error=f"malformed lookup request: {exc}")
+        reply = self._answer_keys(keys)
+        if reply.readable is None:
+            return reply
+        return LookupReply(readable=per_block(self._keys, batches, reply.readable))
 
     def _answer_remove(self) -> LookupReply:
         if self._remove is None:

@@ -11,11 +11,18 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from hybridkv.integration.block_query import BlockBatch
+
 # What one request may carry. A 1M-token prompt at 16-token blocks, 8 storing heads and
-# 4 groups asks 2M keys of ~130 B: 32 round trips of at most 65,536 keys (~8.5 MiB) each.
-# A request costs the server about 2.5x its size while it is decoded and answered.
+# 4 groups asks 2M keys of ~130 B: 32 round trips of at most 65,536 keys (~8.5 MiB) each
+# by keys; by block hashes (`BlocksRequest`) the same objects, about 34 B a block, in as
+# many round trips of under 300 KiB. A request costs the server about 2.5x its size
+# while it is decoded and answered, and a hash one the keys it renders besides.
 MAX_REQUEST_KEYS = 1 << 16
 MAX_REQUEST_BYTES = 16 << 20
+# A block hash (`hybridkv.keys.BlockHasher`: SHA-256), and the heads one batch may name.
+HASH_BYTES = 32
+MAX_BATCH_HEADS = 1024
 
 SECRET_ENV = "HYBRIDKV_LOOKUP_SECRET"
 MIN_SECRET_CHARS = 16
@@ -24,6 +31,30 @@ MIN_SECRET_CHARS = 16
 class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
     # Checked from the message's array header, before any key is decoded.
     keys: Annotated[list[str], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
+
+
+class HashBatch(msgspec.Struct, frozen=True, array_like=True):
+    """Every stage's objects of `heads` of each of `hashes` in plan group `group`."""
+
+    group: Annotated[int, msgspec.Meta(ge=0)]
+    heads: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_BATCH_HEADS)
+    ]
+    hashes: Annotated[
+        list[Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]],
+        msgspec.Meta(max_length=MAX_REQUEST_KEYS),
+    ]
+
+
+class BlocksRequest(msgspec.Struct, frozen=True, tag="blocks"):
+    """Per hash, whether all its objects are readable: the server renders the keys with
+    its model's key space. At most `MAX_REQUEST_KEYS` (hash, head) pairs in all."""
+
+    batches: Annotated[list[HashBatch], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
+
+    def objects(self) -> int:
+        """(hash, head) pairs asked: the keys rendered, per stage."""
+        return sum(len(batch.hashes) * len(batch.heads) for batch in self.batches)
 
 
 class RemoveRequest(msgspec.Struct, frozen=True, tag="remove"):
@@ -39,7 +70,7 @@ class LookupReply(msgspec.Struct, frozen=True):
 MULTIPART_REPLY = LookupReply(error="malformed lookup request: more than one message part")
 
 encode = msgspec.msgpack.Encoder().encode
-decode_request = msgspec.msgpack.Decoder(LookupRequest | RemoveRequest).decode
+decode_request = msgspec.msgpack.Decoder(LookupRequest | BlocksRequest | RemoveRequest).decode
 decode_reply = msgspec.msgpack.Decoder(LookupReply).decode
 
 Readability = Callable[[Sequence[str]], list[bool]]
@@ -98,3 +129,28 @@ def lookup_payloads(keys: list[str]) -> list[tuple[int, bytes]]:
             half = len(part) // 2
             stack += [part[half:], part[:half]]
     return payloads
+
+
+def blocks_payloads(batches: Sequence[BlockBatch]) -> list[tuple[int, bytes]]:
+    """The requests of one lookup by block hashes, each within the server's caps: (hashes,
+    payload) each. Batches are cut so that no request asks more than `MAX_REQUEST_KEYS`
+    (hash, head) pairs (well under `MAX_REQUEST_BYTES`: 32 B a hash, whatever the heads)."""
+    requests: list[list[HashBatch]] = [[]]
+    room = MAX_REQUEST_KEYS
+    for group, hashes, heads in batches:
+        if not 0 < len(heads) <= MAX_BATCH_HEADS:
+            raise ValueError(f"a lookup batch of {len(heads)} heads (1..{MAX_BATCH_HEADS})")
+        start = 0
+        while start < len(hashes):
+            if room < len(heads):
+                requests.append([])
+                room = MAX_REQUEST_KEYS
+            take = min(len(hashes) - start, room // len(heads))
+            part = list(hashes[start : start + take])
+            requests[-1].append(HashBatch(group, list(heads), part))
+            room -= take * len(heads)
+            start += take
+    return [
+        (sum(len(batch.hashes) for batch in request), encode(BlocksRequest(request)))
+        for request in requests
+    ]

@@ -8,7 +8,6 @@ It never talks to a store: readability comes in as plain data or a callable, so 
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,11 @@ class Hit:
 
     tokens: int
     load_masks: Masks
+
+
+def _ascending(aligned: range, tails: list[int]) -> Sequence[int]:
+    """Aligned boundaries and tails in one ascending sequence (the range itself if none)."""
+    return sorted([*aligned, *tails]) if tails else aligned
 
 
 def _require_count(name: str, value: object) -> int:
@@ -218,11 +222,7 @@ class Coordinator:
         aligned = range(self._alignment, top + 1, self._alignment)
         return tuple(
             self._reach_mask(
-                group,
-                heapq.merge(
-                    aligned, tails_in_group(self._groups, self._alignment, group, unit, max_tokens)
-                ),
-                known,
+                group, _ascending(aligned, self._tails(group, unit, max_tokens)), known
             )
             for group in range(len(self._groups))
         )
@@ -380,16 +380,13 @@ class Coordinator:
 
     def _boundaries(
         self, group: int, top: int, replays: Iterable[int], unit: int, tail_stop: int
-    ) -> Iterable[int]:
+    ) -> Sequence[int]:
         """Ascending boundaries whose needs this group keeps: aligned ones up to `top` and
         tails up to `tail_stop` (under retention, sparse groups only every k-th aligned
         one and the `replays`)."""
         step = self._alignment
         if self._retention == 1 or not self._groups[group].sparse:
-            return heapq.merge(
-                range(step, top + 1, step),
-                tails_in_group(self._groups, self._alignment, group, unit, tail_stop),
-            )
+            return _ascending(range(step, top + 1, step), self._tails(group, unit, tail_stop))
         retained = set(range(step * self._retention, top + 1, step * self._retention))
         retained.update(replay for replay in replays if replay > 0)
         return sorted(retained)
@@ -405,29 +402,52 @@ class Coordinator:
     def _tails(self, group: int, unit: int, stop: int) -> list[int]:
         return tails_in_group(self._groups, self._alignment, group, unit, stop)
 
-    def _reach_mask(self, group: int, boundaries: Iterable[int], tokens: int) -> tuple[bool, ...]:
-        """Union of the reach of `boundaries` over the full blocks of `tokens` tokens (a
-        tail's stops before its partial block, which is an object of its own).
+    def _reach_mask(self, group: int, boundaries: Sequence[int], tokens: int) -> tuple[bool, ...]:
+        """Union of the reach of ascending `boundaries` over the full blocks of `tokens`
+        tokens (a tail's stops before its partial block, which is an object of its own).
 
-        Runs are merged before writing: reaches that hold a block only move right as
-        boundaries grow (an empty one, at a tail needing nothing but its partial block,
-        can start past the next's).
+        A long prompt has a boundary per block: rather than each one's reach, spans of
+        boundaries are taken whole where their two ends' reaches overlap (`_runs`).
+        """
+        marks = [False] * (tokens // self._groups[group].block_size)
+        for first, stop in self._runs(group, boundaries):
+            marks[first:stop] = [True] * (stop - first)
+        return tuple(marks)
+
+    def _runs(self, group: int, boundaries: Sequence[int]) -> list[tuple[int, int]]:
+        """The blocks `boundaries` (ascending) reach, as ascending disjoint runs.
+
+        Where the reaches of a span's first and last boundaries are non-empty and overlap,
+        the span reaches exactly from the first's start to the last's stop: neither a
+        reach's start (where non-empty) nor its stop ever decreases as the boundary grows
+        (`GroupKind`), so every reach between lies inside. Other spans are halved: a
+        full-attention group takes one step, one with k gaps about k log n.
         """
         kind = self._groups[group]
         first_needed, block_size, extra = kind.first_needed, kind.block_size, self._eagle[group]
-        marks = [False] * (tokens // block_size)
-        run_first = run_stop = 0
-        for boundary in boundaries:  # the hot loop of lookups: `_reach` inlined
-            first = first_needed(boundary)
-            stop = boundary // block_size + extra
-            if first >= stop:
+        runs: list[tuple[int, int]] = []
+        spans = [(0, len(boundaries) - 1)] if boundaries else []
+        while spans:  # depth first, lower half first: runs come out ascending
+            low, high = spans.pop()
+            first = first_needed(boundaries[low])
+            stop = boundaries[low] // block_size + extra
+            last_first = first_needed(boundaries[high])
+            last_stop = boundaries[high] // block_size + extra
+            if first < stop and last_first < last_stop and last_first <= stop:
+                span = (first, last_stop)
+            elif low == high:
+                if first >= stop:
+                    continue  # needs nothing but a partial block: an empty reach
+                span = (first, stop)
+            else:
+                middle = (low + high) // 2
+                spans += [(middle + 1, high), (low, middle)]
                 continue
-            if first > run_stop:
-                marks[run_first:run_stop] = [True] * (run_stop - run_first)
-                run_first = first
-            run_stop = stop
-        marks[run_first:run_stop] = [True] * (run_stop - run_first)
-        return tuple(marks)
+            if runs and span[0] <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], span[1]))
+            else:
+                runs.append(span)
+        return runs
 
     def _needed_masks(self, tokens: int) -> Masks:
         masks = []
