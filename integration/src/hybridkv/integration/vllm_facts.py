@@ -45,19 +45,36 @@ def plan_from_vllm(
     ):
         if size > 1:
             raise ValueError(f"HybridKVConnector does not support {what} yet ({setting}={size})")
-    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    shape = ModelShape(
-        tp_size=parallel.tensor_parallel_size,
-        total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-        block_interior="".join(axis for axis in layout.name if axis in "HNC"),
+    return _plan(
+        vllm_config,
+        kv_cache_config,
+        namespace,
+        weights,
+        parallel.tensor_parallel_size,
+        pipeline_stages(vllm_config),
     )
+
+
+def _plan(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    namespace: str,
+    weights: str,
+    tp_size: int,
+    stages: list[tuple[int, int]],
+) -> KVPlan:
     return plan_groups(
         kv_cache_config.kv_cache_groups,
         kv_cache_config.prefix_cacheable_group_ids,
-        shape,
+        ModelShape(
+            tp_size=tp_size,
+            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+            block_interior=block_interior(vllm_config),
+        ),
         namespace,
-        pipeline_stages(vllm_config),
+        stages,
         weights,
+        vllm_config.model_config.get_total_num_hidden_layers(),
     )
 
 
@@ -70,6 +87,13 @@ def pipeline_stages(vllm_config: VllmConfig) -> list[tuple[int, int]]:
         return []
     layers = vllm_config.model_config.get_total_num_hidden_layers()
     return [get_pp_indices(layers, rank, stages) for rank in range(stages)]
+
+
+def block_interior(vllm_config: VllmConfig) -> str:
+    """The order of a cache block's heads (H), tokens (N) and channels (C) in vLLM's
+    resolved KV cache layout (LBNHC: "NHC")."""
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    return "".join(axis for axis in layout.name if axis in "HNC")
 
 
 def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:

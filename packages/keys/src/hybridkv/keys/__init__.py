@@ -4,7 +4,7 @@ Pure functions and values, no I/O: everything another package needs to name an o
 the store the same way in every process.
 """
 
-from ._digest import layout_digest
+from ._digest import layout_digest, scope_digest, topology_digest
 from ._hasher import BlockHasher
 from ._keys import (
     HYBRID_TAG,
@@ -26,4 +26,6 @@ __all__ = [
     "layout_digest",
     "model_name",
     "parse_key",
+    "scope_digest",
+    "topology_digest",
 ]
