@@ -15,17 +15,35 @@ from ._keys import (
     parse_key,
 )
 from ._render import KeyRenderer
+from ._topology import (
+    Entry,
+    GroupReads,
+    ObjectMap,
+    Piece,
+    Source,
+    Span,
+    TopologyMismatch,
+    plan_reads,
+)
 
 __all__ = [
     "HYBRID_TAG",
     "BlockHasher",
     "BlockKey",
+    "Entry",
+    "GroupReads",
     "HybridKey",
     "KeyFormatError",
     "KeyRenderer",
+    "ObjectMap",
+    "Piece",
+    "Source",
+    "Span",
+    "TopologyMismatch",
     "layout_digest",
     "model_name",
     "parse_key",
+    "plan_reads",
     "scope_digest",
     "topology_digest",
 ]
