@@ -12,14 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import groups
+from conftest import attention, groups, request, scheduler_output
 from hypothesis import given
 from hypothesis import strategies as st
+from scheduler_rig import TOKENS, Pool, put_blocks
 
-from hybridkv.integration.config import WriterTopology
+from hybridkv.integration.config import ConnectorConfig, WriterTopology
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
-from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef
+from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.topologies import WriterReads, rank_reads, refuse_unreadable
 from hybridkv.integration.vllm_facts import writer_stages
 from hybridkv.transport import (
@@ -225,3 +227,52 @@ def test_writer_stages_follow_the_partition_and_refuse_a_wrong_sum() -> None:
     assert writer_stages(8, WriterTopology(None, 2, (3, 5))) == [(0, 3), (3, 8)]
     with pytest.raises(ValueError, match="sums to 9 layers; the model has 8"):
         writer_stages(8, WriterTopology(None, 2, (4, 5)))
+
+
+def _sides(vllm_specs: Any) -> tuple[SchedulerSide, KeySpace, Pool]:
+    """A one-stage reader of a two-stage writer of the same model, over one pool."""
+    kinds = groups(vllm_specs, (["l.0", "l.1"], attention(vllm_specs)))
+    shape = ModelShape(1, 2)
+    own = plan_groups(kinds, [0], shape, num_layers=2)
+    writer = plan_groups(kinds, [0], shape, pp_stages=[(0, 1), (1, 2)], num_layers=2)
+    pool = Pool()
+    writer_keys = KeySpace(writer, "tiny")
+    side = SchedulerSide(
+        KeySpace(own, "tiny"), ConnectorConfig(), pool.query, writer_keys=writer_keys
+    )
+    return side, writer_keys, pool
+
+
+def _loaded_topology(side: SchedulerSide, expected_hit: int) -> int:
+    req = request("r", TOKENS)
+    assert side.num_new_matched_tokens(req, 0) == (expected_hit, False)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(req, table, expected_hit)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 0, 200)], tables={"r": table}))
+    (transfers,) = [r for r in meta.requests if r.loads]
+    assert len(transfers.loads) == expected_hit // 32
+    return transfers.topology
+
+
+def test_the_longer_hit_of_own_and_writer_topology_is_loaded(vllm_specs: Any) -> None:
+    side, writer_keys, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 64)  # own keys: two blocks
+    put_blocks(side, pool, TOKENS, [0], 128, keys=writer_keys)  # both stages: four
+    assert _loaded_topology(side, 128) == 1
+
+
+def test_own_topology_wins_a_tie(vllm_specs: Any) -> None:
+    side, writer_keys, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 96)
+    put_blocks(side, pool, TOKENS, [0], 96, keys=writer_keys)
+    assert _loaded_topology(side, 96) == 0
+
+
+def test_a_writer_block_needs_every_stage_s_object(vllm_specs: Any) -> None:
+    side, writer_keys, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 128, keys=writer_keys)
+    hashes = RequestHashes(side.plan, "", None)
+    hashes.cover(TOKENS, len(TOKENS))
+    third = hashes.for_group(32)[2]
+    pool.keys.discard(KeySpace(writer_keys.plan, "tiny", pp_rank=1).keys(0, [third], [0])[0])
+    assert _loaded_topology(side, 64) == 1
