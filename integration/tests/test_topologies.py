@@ -109,57 +109,74 @@ def _write(store: MemoryStore, plan: KVPlan, stages: list[tuple[int, int]]) -> N
 
 
 @pytest.mark.parametrize(
-    ("writer_tp", "writer_stages_", "reader_tp"),
+    ("writer_tp", "writer_cut", "reader_tp", "reader_cut"),
     [
-        (1, [(0, 2), (2, 4)], 1),  # two stages into one
-        (1, [(0, 1), (1, 4)], 1),  # uneven stages into one
-        (2, [], 1),  # two TP ranks' heads into one rank's page
-        (2, [(0, 3), (3, 4)], 1),  # both at once
-        (4, [], 2),  # four heads' objects, two per reader rank
+        (1, [(0, 2), (2, 4)], 1, []),  # two stages into one
+        (1, [(0, 1), (1, 4)], 1, []),  # uneven stages into one
+        (2, [], 1, []),  # two TP ranks' heads into one rank's page
+        (2, [(0, 3), (3, 4)], 1, []),  # both at once
+        (4, [], 2, []),  # four heads' objects, two per reader rank
+        (1, [], 1, [(0, 2), (2, 4)]),  # each stage reads part of one object
+        (1, [(0, 1), (1, 4)], 1, [(0, 2), (2, 4)]),  # uneven stages into even ones
+        (1, [], 2, []),  # each rank reads its heads' part of one object
+        (1, [(0, 3), (3, 4)], 2, [(0, 1), (1, 4)]),  # every cut differs
     ],
 )
 def test_a_reader_rank_holds_its_share_of_what_another_topology_wrote(
-    vllm_specs: Any, writer_tp: int, writer_stages_: list[tuple[int, int]], reader_tp: int
+    vllm_specs: Any,
+    writer_tp: int,
+    writer_cut: list[tuple[int, int]],
+    reader_tp: int,
+    reader_cut: list[tuple[int, int]],
 ) -> None:
     store = MemoryStore()
-    writer = _plan(vllm_specs, writer_tp, writer_stages_)
-    reader = _plan(vllm_specs, reader_tp, [])
+    writer = _plan(vllm_specs, writer_tp, writer_cut)
+    reader = _plan(vllm_specs, reader_tp, reader_cut)
     refuse_unreadable(reader, writer, "HNC")
-    _write(store, writer, writer_stages_)
+    _write(store, writer, writer_cut)
     keys = [KeySpace(writer, "m", "ns", s) for s in range(writer.pp_size)]
     truth = _truth()
-    for tp_rank in range(reader_tp):
-        rank = Rank(reader, (0, LAYERS), tp_rank)
-        reads = rank_reads(
-            reader,
-            writer,
-            writer_stages_,
-            (0, LAYERS),
-            0,
-            tp_rank,
-            [rank.layout],
-            dict(enumerate(NAMES)),
-            LAYERS,
-        )
-        planned = WriterReads(keys, [rank.layout], reads)
-        engine = TransferEngine(
-            store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
-        )
-        try:
-            loads = [
-                transfer
-                for block, h in enumerate(HASHES)
-                for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
-            ]
-            assert len(loads) == NUM_BLOCKS * max(1, writer.pp_size) * writer_tp // reader_tp
-            result = engine.load(loads).wait()
-        finally:
-            engine.close()
-        assert not any(result.failed_blocks.values())
-        expected = Rank(reader, (0, LAYERS), tp_rank)
-        expected.fill_from(truth)
-        for layer in range(LAYERS):
-            assert np.array_equal(rank.caches[layer], expected.caches[layer]), layer
+    for pp_rank, stage in enumerate(reader_cut or [(0, LAYERS)]):
+        for tp_rank in range(reader_tp):
+            rank = Rank(reader, stage, tp_rank)
+            _load(rank, store, keys, reader, writer, writer_cut, stage, pp_rank)
+            expected = Rank(reader, stage, tp_rank)
+            expected.fill_from(truth)
+            for layer in range(*stage):
+                assert np.array_equal(rank.caches[layer], expected.caches[layer]), layer
+
+
+def _load(
+    rank: Rank,
+    store: MemoryStore,
+    keys: list[KeySpace],
+    reader: KVPlan,
+    writer: KVPlan,
+    writer_cut: list[tuple[int, int]],
+    stage: tuple[int, int],
+    pp_rank: int,
+) -> set[int]:
+    """Load every block into `rank` through its planned reads; the blocks that failed."""
+    names = {layer: NAMES[layer] for layer in range(*stage)}
+    reads = rank_reads(
+        reader, writer, writer_cut, stage, pp_rank, rank.tp_rank, [rank.layout], names, LAYERS
+    )
+    planned = WriterReads(keys, [rank.layout], reads)
+    engine = TransferEngine(
+        store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
+    )
+    try:
+        loads = [
+            transfer
+            for block, h in enumerate(HASHES)
+            for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
+        ]
+        assert len(loads) == NUM_BLOCKS * len(reads)
+        result = engine.load(loads).wait()
+    finally:
+        engine.close()
+    assert set(result.failed_blocks) <= {0}  # reported as the plan group's blocks
+    return {block for blocks in result.failed_blocks.values() for block in blocks}
 
 
 def test_a_missing_writer_object_fails_the_block_it_feeds(vllm_specs: Any) -> None:
@@ -172,35 +189,7 @@ def test_a_missing_writer_object_fails_the_block_it_feeds(vllm_specs: Any) -> No
     keys = [KeySpace(writer, "m", "ns", s) for s in range(2)]
     store.batch_remove([keys[1].keys(0, [HASHES[1]], [0])[0]], force=True)
     rank = Rank(reader, (0, LAYERS), 0)
-    reads = rank_reads(
-        reader, writer, stages, (0, LAYERS), 0, 0, [rank.layout], dict(enumerate(NAMES)), LAYERS
-    )
-    planned = WriterReads(keys, [rank.layout], reads)
-    engine = TransferEngine(
-        store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
-    )
-    try:
-        loads = [
-            transfer
-            for block, h in enumerate(HASHES)
-            for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
-        ]
-        result = engine.load(loads).wait()
-    finally:
-        engine.close()
-    failed = {block for blocks in result.failed_blocks.values() for block in blocks}
-    assert failed == {1}
-
-
-def test_a_reader_rank_needing_part_of_an_object_is_refused_by_name(vllm_specs: Any) -> None:
-    writer = _plan(vllm_specs, 1, [])
-    reader = _plan(vllm_specs, 2, [])
-    rank = Rank(reader, (0, LAYERS), 0)
-    reads = rank_reads(
-        reader, writer, [], (0, LAYERS), 0, 0, [rank.layout], dict(enumerate(NAMES)), LAYERS
-    )
-    with pytest.raises(ValueError, match="reads part of the writer's object"):
-        WriterReads([KeySpace(writer, "m", "ns")], [rank.layout], reads)
+    assert _load(rank, store, keys, reader, writer, stages, (0, LAYERS), 0) == {1}
 
 
 def test_another_tp_size_with_heads_inside_each_token_is_refused(vllm_specs: Any) -> None:
