@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scheduler_rig import TOKENS, Pool, put_blocks
 
-from hybridkv.integration.config import ConnectorConfig, WriterTopology
+from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef
@@ -208,14 +208,14 @@ def test_writer_stages_cut_as_vllm_does(layers: int, stages: int) -> None:
         return
     assert envs.VLLM_PP_LAYER_PARTITION is None
     expected = [get_pp_indices(layers, rank, stages) for rank in range(stages)]
-    got = writer_stages(layers, WriterTopology(None, stages))
+    got = writer_stages(layers, stages)
     assert got == ([] if stages == 1 else expected)
 
 
 def test_writer_stages_follow_the_partition_and_refuse_a_wrong_sum() -> None:
-    assert writer_stages(8, WriterTopology(None, 2, (3, 5))) == [(0, 3), (3, 8)]
+    assert writer_stages(8, 2, (3, 5)) == [(0, 3), (3, 8)]
     with pytest.raises(ValueError, match="sums to 9 layers; the model has 8"):
-        writer_stages(8, WriterTopology(None, 2, (4, 5)))
+        writer_stages(8, 2, (4, 5))
 
 
 def _sides(vllm_specs: Any) -> tuple[SchedulerSide, KeySpace, Pool]:
