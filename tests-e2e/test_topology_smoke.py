@@ -4,6 +4,9 @@
   of its own layers); the reader runs one stage and names the writer's cut with
   ``prefill_pp_size: 2``: it looks up the writer's keys and fills each block from both
   stages' objects.
+- "pp35-to-pp1": the same with eight layers cut unevenly, 3 and 5
+  (``VLLM_PP_LAYER_PARTITION`` on the writer, ``prefill_pp_layer_partition: "3,5"`` on
+  the reader).
 - "tp2-to-tp1": the writer runs ``tensor_parallel_size=2`` over two KV heads (each rank
   stores its head's objects); the reader runs one rank with ``store_tp_size: 2`` and
   fills each page from both heads' objects.
@@ -47,7 +50,6 @@ PROMPTS = {
     "second_part_corrupted": tinymodels.prompt_ids(71, 257),  # hit 256
 }
 EXPECTED_HITS = {"clean": 320, "second_part_corrupted": 256}
-LAYERS = 4
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,13 @@ class Shape:
     writer_pp: int
     reader: dict[str, object]  # the reader's connector keys naming the writer's cut
     hidden: int  # Llama's: heads are hidden // 64, KV heads half of that
+    layers: tuple[int, ...] = (2, 2)  # per writer stage (VLLM_PP_LAYER_PARTITION)
 
 
 SHAPES = {
     "pp2-to-pp1": Shape(1, 2, {"prefill_pp_size": 2}, 128),
     "tp2-to-tp1": Shape(2, 1, {"store_tp_size": 2}, 256),
+    "pp35-to-pp1": Shape(1, 2, {"prefill_pp_layer_partition": "3,5"}, 128, (3, 5)),
 }
 
 
@@ -83,7 +87,7 @@ def run(
         "MOONCAKE_CONFIG_PATH": str(pool.config_path),
         "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2),
     }
-    built = tinymodels.build("llama", models_dir, layers=LAYERS, hidden=shape.hidden)
+    built = tinymodels.build("llama", models_dir, layers=sum(shape.layers), hidden=shape.hidden)
 
     def spec(
         steps: list[Step], connector: dict[str, object] | None, tp: int = 1, pp: int = 1
@@ -102,7 +106,9 @@ def run(
     before = set(list_pool_keys(pool.http))
     steps = [Step(prompts=[prompt], snapshot_keys=True) for prompt in PROMPTS.values()]
     writer = spec(steps, {}, shape.writer_tp, shape.writer_pp)
-    written = run_instance(writer, runs_dir, f"{namespace}-writer", env)
+    stages = ",".join(map(str, shape.layers))
+    partition = {"VLLM_PP_LAYER_PARTITION": stages} if shape.writer_pp > 1 else {}
+    written = run_instance(writer, runs_dir, f"{namespace}-writer", {**env, **partition})
     keys = keys_added_by_step(PROMPTS, written.steps, before)
     second = [k for k in keys["second_part_corrupted"] if _part(k) == 1]
     assert second, f"no second stage or head stored: {keys['second_part_corrupted']}"
@@ -112,7 +118,7 @@ def run(
     read = run_instance(spec(everything, shape.reader), runs_dir, f"{namespace}-reader", env)
     blind = run_instance(spec(everything, {}), runs_dir, f"{namespace}-blind", env)
     for prompt_keys in keys.values():
-        _join(pool, prompt_keys, namespace)
+        _join(pool, prompt_keys, namespace, shape.layers)
     joined = run_instance(spec(everything, {}), runs_dir, f"{namespace}-joined", env)
     cold = run_instance(spec(everything, None), runs_dir, f"{namespace}-cold", env)
 
@@ -134,7 +140,7 @@ def _part(key: str) -> int:
     return max(parsed.pp_rank or 0, parsed.head)
 
 
-def _join(pool: Pool, keys: list[str], namespace: str) -> None:
+def _join(pool: Pool, keys: list[str], namespace: str, stage_layers: tuple[int, ...]) -> None:
     """Each block's writer objects, joined as one rank of one stage holds them (layer by
     layer, a layer's heads in order), under that reader's own key (replacing what the
     blind reader, which computed the prompts itself, stored there)."""
@@ -153,7 +159,7 @@ def _join(pool: Pool, keys: list[str], namespace: str) -> None:
         joined = []
         for stage in stages:
             heads = [objects[place] for place in sorted(objects) if place[0] == stage]
-            layers = LAYERS // len(stages)  # (an even split)
+            layers = stage_layers[stage] if len(stages) > 1 else sum(stage_layers)
             size = len(heads[0]) // layers
             joined += [
                 head[layer * size : (layer + 1) * size] for layer in range(layers) for head in heads
