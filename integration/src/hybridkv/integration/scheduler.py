@@ -60,6 +60,7 @@ class SchedulerSide:
         local_hit_unit: int = 0,
         steps_ahead: int = 0,
         block_query: BlockQuery | None = None,
+        writer_keys: KeySpace | None = None,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
@@ -74,7 +75,10 @@ class SchedulerSide:
         multiple of (0: the plan's hash unit). `steps_ahead`: how many steps vLLM schedules
         before it reports a step's outcome (async scheduling, pipeline stages).
         `block_query`: the pool asked by block hashes, their keys rendered where the store
-        is (the lookup socket); None: `query` asked by keys rendered here."""
+        is (the lookup socket); None: `query` asked by keys rendered here.
+
+        `writer_keys`: the keys of another writer topology this reader reads (its groups
+        are this plan's): a request takes the longer hit, its own on a tie."""
         self.keys = keys
         self.plan = keys.plan
         self.config = config
@@ -90,6 +94,16 @@ class SchedulerSide:
         self._hits = HitFinder(
             keys, self.coordinator, asked, quarantine, tail_unit, config.test_exact_lookup_keys
         )
+        self._writer_hits = None
+        if writer_keys is not None:
+            self._writer_hits = HitFinder(
+                writer_keys,
+                self.coordinator,
+                RenderingQuery(writer_keys, query),  # (the socket renders its own keys only)
+                quarantine,
+                tail_unit,
+                config.test_exact_lookup_keys,
+            )
         load_async = config.load_async or load_async_required
         self._loads = LoadPlanner(self.plan, self.coordinator, load_async)
         self._poisoned = PoisonedBlocks(self.plan.groups[0].block_size, steps_ahead)
@@ -111,7 +125,9 @@ class SchedulerSide:
             self._saves.regrow_mask,
         )
         self._lookup_seconds = 0.0
-        self._answers: AnswerMemory[tuple[Hit, Hit]] = AnswerMemory(config.lookup_memory_s, clock)
+        self._answers: AnswerMemory[tuple[Hit, Hit, int]] = AnswerMemory(
+            config.lookup_memory_s, clock
+        )
 
     @property
     def generation(self) -> int:
@@ -158,19 +174,29 @@ class SchedulerSide:
             return 0, False
         self._queried_tokens += request.num_tokens - num_computed
         found = self._answers.answer(
-            request,
-            num_computed,
-            lambda: self._hits.find(request, self._track(request), num_computed),
+            request, num_computed, lambda: self._find(request, num_computed)
         )
         if found is None:
             return 0, False
-        hit, aligned = found
+        hit, aligned, topology = found
         if hit.tokens <= num_computed:
             self._loads.drop(request.request_id)
             return 0, False
         tail_tokens = hit.tokens - max(aligned.tokens, num_computed)
-        self._loads.expect(request.request_id, PendingLoad(num_computed, hit, tail_tokens))
+        pending = PendingLoad(num_computed, hit, tail_tokens, topology)
+        self._loads.expect(request.request_id, pending)
         return hit.tokens - num_computed, self._loads.load_async
+
+    def _find(self, request: Any, num_computed: int) -> tuple[Hit, Hit, int] | None:
+        """The longer of this topology's hit and the writer topology's (0 or 1), its own
+        on a tie; None: the pool did not answer."""
+        tracked = self._track(request)
+        found = self._hits.find(request, tracked, num_computed)
+        if self._writer_hits is not None:
+            theirs = self._writer_hits.find(request, tracked, num_computed)
+            if theirs is not None and (found is None or theirs[0].tokens > found[0].tokens):
+                return (*theirs, 1)
+        return None if found is None else (*found, 0)
 
     # -- allocation -------------------------------------------------------------------
 
@@ -257,7 +283,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.scanned[group] = min(tracked.scanned[group], index)
         failed_keys, request_ids = list(keys), list(request_ids)
-        self._hits.quarantine_failed(failed_keys)
+        self._hits.quarantine_failed(failed_keys)  # (the writer's finder shares it)
         if failed_keys or request_ids or invalid:  # rare: any answer may count on them
             self._answers.clear()
         for request_id in request_ids:

@@ -4,7 +4,7 @@ Pure functions and values, no I/O: everything another package needs to name an o
 the store the same way in every process.
 """
 
-from ._digest import layout_digest
+from ._digest import layout_digest, scope_digest, topology_digest
 from ._hasher import BlockHasher
 from ._keys import (
     HYBRID_TAG,
@@ -44,4 +44,6 @@ __all__ = [
     "model_name",
     "parse_key",
     "plan_reads",
+    "scope_digest",
+    "topology_digest",
 ]
