@@ -36,6 +36,7 @@ _SECONDS_KEYS = (
     "failed_load_quarantine_s",
     "lookup_probe_backoff_s",
     "lookup_probe_max_backoff_s",
+    "save_deadline_s",
 )
 
 
@@ -86,6 +87,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Objects whose load failed count as absent for lookups this many seconds (a dead
     # holder's objects stay listed by the master until its client TTL, 10 s by default).
     failed_load_quarantine_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # Before vLLM may reuse the blocks a step saved, the worker waits this long in all for
+    # the saves still running; then it gives them up: they count as failed, and what they
+    # had not read from the caches yet is never stored.
+    save_deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     # False: never look up or load (the instance only stores), whatever its role.
     enable_lookup: bool = True
     # vLLM MooncakeStoreConnector's asynchronous lookup: hybridkv's lookup is one round trip

@@ -260,7 +260,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             pool.close()  # an embedded master must not outlive the refused start
             raise
         self._pool = pool
-        self._worker = new_worker_side(self._vllm_config, self.keys, pool, layouts, mode, ranks)
+        self._worker = new_worker_side(
+            self._vllm_config, self.keys, pool, layouts, mode, ranks, self.config.save_deadline_s
+        )
         if ranks.serves_lookups:
             self._channel.claim()
             self._server = LookupServer(
