@@ -4,10 +4,12 @@ A real Mooncake master and segment holder; the worker side saves two steps' bloc
 the holder is stopped (SIGSTOP), then its barrier (before vLLM may reuse those blocks)
 runs with `save_deadline_s` 1 s and a store timeout of 5 s per call. The barrier gives up
 at the deadline: the first step's put is stuck in the stalled holder, the second one's
-queued behind it. Both count as failed and are not announced. vLLM then reuses the
-blocks (here: garbage written over them), and the holder runs again. Nothing the
-barrier gave up on reads the caches afterwards, so whatever the pool holds of those
-blocks is the KV they held when saved, whole, or nothing.
+queued behind it. Both count as failed and are not announced. While the put given up
+still runs, a third step issues no save (it would only queue behind it): its barrier
+waits for nothing. vLLM then reuses the blocks (here: garbage written over them), and
+the holder runs again. Nothing the barrier gave up on reads the caches afterwards, so
+whatever the pool holds of those blocks is the KV they held when saved, whole, or
+nothing; once the put given up has ended, saves are stored again.
 
 Staged saves (host caches' default) copy into staging before the store call: the barrier
 returns at the deadline. In-place saves ("group") read the caches during the store call
@@ -42,7 +44,8 @@ NUM_BLOCKS = 16
 DEADLINE_S = 1.0
 STORE_TIMEOUT_S = 5
 GARBAGE = -7.0
-FIRST, SECOND = range(1, 5), range(5, 9)  # the two stalled steps' blocks
+FIRST, SECOND, THIRD = range(1, 5), range(5, 9), range(9, 11)  # the stalled steps' blocks
+AFTER = range(11, 12)
 
 
 class Saver:
@@ -111,20 +114,39 @@ def test_the_save_barrier_gives_up_at_its_deadline_and_the_pool_never_holds_reus
             started = time.monotonic()
             saver.worker.barrier()
             waited = time.monotonic() - started
-            saver.cache[:, 1:9] = GARBAGE  # vLLM reuses the blocks
-        totals = saver.worker.totals.snapshot()
+            saver.save("third", THIRD)
+            started = time.monotonic()
+            saver.worker.barrier()
+            waited_third = time.monotonic() - started
+            saver.cache[:, 1:11] = GARBAGE  # vLLM reuses the blocks
+        totals = saver.worker.totals.snapshot(reset=True)
         announced = saver.worker.take_stored_events()
+        stored_again = _saves_resume(saver, reader)
     finally:
         saver.worker.close()  # the engine drains what it still runs
     bound = DEADLINE_S + (STORE_TIMEOUT_S if granularity == "group" else 0)
     assert waited < bound + 2.0  # not the store's timeout per call (10 s and more)
-    assert totals["failed_save_blocks"] == len(FIRST) + len(SECOND)
+    assert waited_third < DEADLINE_S  # nothing issued, nothing to wait for
+    assert totals["failed_save_blocks"] == len(FIRST) + len(SECOND) + len(THIRD)
     assert announced == []
+    assert stored_again
     held = {}
-    for block in (*FIRST, *SECOND):
+    for block in (*FIRST, *SECOND, *THIRD):
         out = np.zeros(2 * saver.cache[0, 0].numel(), dtype=np.float32)
         (status,) = reader.batch_get_whole([saver.key(block)], [[out.ctypes.data]], [[out.nbytes]])
         held[block] = status if status is not Status.OK else set(out.tolist())
     # Whole and right, or not there; the second step's saves never read a block.
     assert all(held[b] in (Status.NOT_FOUND, {float(b)}) for b in FIRST), held
-    assert all(held[b] is Status.NOT_FOUND for b in SECOND), held
+    assert all(held[b] is Status.NOT_FOUND for b in (*SECOND, *THIRD)), held
+
+
+def _saves_resume(saver: Saver, reader: MooncakeStore) -> bool:
+    """Whether a save is stored again once the put given up has ended (within 60 s)."""
+    limit = time.monotonic() + 60
+    while time.monotonic() < limit:
+        saver.save("after", AFTER)
+        saver.worker.barrier()
+        if reader.batch_is_readable([saver.key(AFTER.start)]) == [True]:
+            return True
+        time.sleep(0.5)
+    return False

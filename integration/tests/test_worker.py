@@ -938,6 +938,8 @@ class _RaisingSaves:
 class _Broken:
     """Saves that settle, then their wait raises."""
 
+    done = True
+
     def __init__(self, settle: PendingSave | None) -> None:
         self._settle = settle
 

@@ -35,6 +35,10 @@ class PendingSave(Protocol):
     """A step's saves, perhaps still running: the worker waits for them before vLLM can
     reuse a block they read (a `Ticket` of the transfer engine is one)."""
 
+    @property
+    def done(self) -> bool:
+        """Whether nothing of them runs any more."""
+
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Their result; TimeoutError if they are not done within `timeout`."""
 
@@ -45,6 +49,8 @@ class PendingSave(Protocol):
 
 class SettledSave:
     """Saves that completed within their step (layer by layer): nothing left to wait for."""
+
+    done = True
 
     def __init__(self, result: TransferResult) -> None:
         self._result = result

@@ -79,6 +79,9 @@ class WorkerSide:
         # Waits for issued saves, with the events of the blocks each one stores and how
         # many blocks it puts.
         self._saves: list[tuple[PendingSave, dict[str, HeadStored], int]] = []
+        # Saves given up at the deadline whose store calls still run (a stalled pool):
+        # the send thread is theirs, so a save issued meanwhile would only wait behind them.
+        self._given_up: list[PendingSave] = []
         self._step_saves: list[BlockTransfer] = []
         # (request id, plan group, block index) for the scheduler to plan saving again:
         # saves left out because their step computed over a failed load, and blocks whose
@@ -182,9 +185,11 @@ class WorkerSide:
                 result = save.wait(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 save.call_off()
+                self._given_up.append(save)
                 logger.warning(
                     "hybridkv: saves of %d blocks still running after save_deadline_s "
-                    "(%g s): given up, those blocks stay uncached",
+                    "(%g s): given up, those blocks stay uncached; no save is issued until "
+                    "their store calls end",
                     blocks,
                     self._save_deadline_s,
                 )
@@ -307,8 +312,11 @@ class WorkerSide:
         failed = self.settle_loads()
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
+        self._given_up = [save for save in self._given_up if not save.done]
         try:
-            wait = self.strategy.end_step(keep_saves=not failed)
+            # While saves given up still run, this step's would wait behind them: not issued
+            # (counted as failed below), so the next barrier does not wait out its deadline.
+            wait = self.strategy.end_step(keep_saves=not failed and not self._given_up)
         except Exception:  # the client raised: none of the step's saves is stored
             logger.exception("hybridkv: this step's saves could not be issued; not stored")
             wait = None
