@@ -253,6 +253,7 @@ class Tally:
     answers: list[Answer] = field(default_factory=list)
     errors: list[tuple[float, float, str]] = field(default_factory=list)  # (from, to, what)
     mismatches: list[tuple[Answer, int]] = field(default_factory=list)  # (answer, prompt)
+    loads: list[float] = field(default_factory=list)  # the host's 1-minute load, per request
 
 
 def process_stats(leader: int) -> tuple[int, int, int]:
@@ -285,6 +286,7 @@ def soak(
     for prompt in prompts:  # the pool is empty: cold, and stored
         cold.append(stream_completion(port, server.model, prompt))
     start_stats = process_stats(server.process.pid)
+    loads = [os.getloadavg()[0]]
     harness.deadline = time.monotonic() + seconds
     harness.start()
     sent = 0
@@ -306,9 +308,11 @@ def soak(
             ):
                 tally.mismatches.append((answer, index))
         sent += 1
+        loads.append(os.getloadavg()[0])
         time.sleep(max(0.0, began + interval_s - time.monotonic()))
     harness.halt()
     harness.join(timeout=120)
+    tally.loads = loads
     return tally, start_stats, process_stats(server.process.pid)
 
 
@@ -352,6 +356,12 @@ def report(tally: Tally, harness: Harness, start: Any, end: Any, seconds: float)
             )
     for label, (count, rss, threads) in (("after cold round", start), ("at end", end)):
         print(f"server ({count} processes) {label}: RSS {rss / 2**20:7.0f} MiB, {threads} threads")
+    if tally.loads:  # the host is shared: how busy it was bears on every time above
+        print(
+            f"host load average (1 min, {os.cpu_count()} CPUs): start {tally.loads[0]:.1f}, "
+            f"median {statistics.median(tally.loads):.1f}, max {max(tally.loads):.1f}, "
+            f"end {tally.loads[-1]:.1f}"
+        )
     if harness.error is not None:
         print(f"harness failed: {harness.error!r}")
 

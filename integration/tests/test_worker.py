@@ -23,7 +23,7 @@ from hybridkv.integration.metadata import (
     RequestTransfers,
 )
 from hybridkv.integration.transfer_strategy import (
-    SaveWait,
+    PendingSave,
     Transfers,
     TransferStrategy,
     WholeBlocks,
@@ -931,15 +931,25 @@ class _RaisingSaves:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def end_step(self, keep_saves: bool = True) -> SaveWait:
-        settle = self._inner.end_step(keep_saves)
+    def end_step(self, keep_saves: bool = True) -> PendingSave:
+        return _Broken(self._inner.end_step(keep_saves))
 
-        def broken() -> TransferResult:
-            if settle is not None:
-                settle()
-            raise RuntimeError("the send thread died")
 
-        return broken
+class _Broken:
+    """Saves that settle, then their wait raises."""
+
+    done = True
+
+    def __init__(self, settle: PendingSave | None) -> None:
+        self._settle = settle
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        if self._settle is not None:
+            self._settle.wait(timeout)
+        raise RuntimeError("the send thread died")
+
+    def call_off(self) -> None:
+        return None
 
 
 def test_a_save_that_raises_counts_every_block_it_put_as_failed(rig: Any) -> None:

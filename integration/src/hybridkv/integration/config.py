@@ -37,6 +37,7 @@ _SECONDS_KEYS = (
     "lookup_memory_s",
     "lookup_probe_backoff_s",
     "lookup_probe_max_backoff_s",
+    "save_deadline_s",
 )
 
 
@@ -90,6 +91,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # A waiting request's lookup answer is given again, without asking the pool, to
     # vLLM's next asks for this long (0: every ask asks the pool; see answer_memory.py).
     lookup_memory_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # Before vLLM may reuse the blocks a step saved, the worker waits this long in all for
+    # the saves still running; then it gives them up: they count as failed, and what they
+    # had not read from the caches yet is never stored.
+    save_deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     # False: never look up or load (the instance only stores), whatever its role.
     enable_lookup: bool = True
     # vLLM MooncakeStoreConnector's asynchronous lookup: hybridkv's lookup is one round trip

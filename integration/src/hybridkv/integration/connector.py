@@ -294,7 +294,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise
         self._pool = pool
         self._worker = new_worker_side(
-            self._vllm_config, self.keys, pool, layouts, mode, ranks, reads
+            self._vllm_config,
+            self.keys,
+            pool,
+            layouts,
+            mode,
+            ranks,
+            self.config.save_deadline_s,
+            reads,
         )
         if ranks.serves_lookups:
             self._channel.claim()

@@ -29,8 +29,37 @@ from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferRes
 
 # One step's loads or saves.
 Transfers = Sequence[BlockTransfer]
-# Waits for a step's saves; their result.
-SaveWait = Callable[[], TransferResult]
+
+
+class PendingSave(Protocol):
+    """A step's saves, perhaps still running: the worker waits for them before vLLM can
+    reuse a block they read (a `Ticket` of the transfer engine is one)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether nothing of them runs any more."""
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Their result; TimeoutError if they are not done within `timeout`."""
+
+    def call_off(self) -> None:
+        """Given up on: once this returns they read the caches no more, and what they
+        have not read yet is never stored."""
+
+
+class SettledSave:
+    """Saves that completed within their step (layer by layer): nothing left to wait for."""
+
+    done = True
+
+    def __init__(self, result: TransferResult) -> None:
+        self._result = result
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        return self._result
+
+    def call_off(self) -> None:
+        return None
 
 
 class TransferStrategy(Protocol):
@@ -56,10 +85,10 @@ class TransferStrategy(Protocol):
         """After the forward: wait for the step's loads; their result, the same on every
         call of the step (`failed_blocks` hold no valid KV: vLLM recomputes them)."""
 
-    def end_step(self, keep_saves: bool = True) -> SaveWait | None:
+    def end_step(self, keep_saves: bool = True) -> PendingSave | None:
         """After `finish_loads` (vLLM's `wait_for_save`); `keep_saves=False`: a load failed
         on some rank, save nothing more. Returns what waits for the step's saves (None:
-        nothing to wait for); the worker calls it before vLLM can reuse a saved block."""
+        nothing to wait for); the worker waits for it before vLLM can reuse a saved block."""
 
     def take_stats(self) -> dict[str, float]:
         """Mode-specific counters since the last call (summed into the connector stats)."""
@@ -112,13 +141,13 @@ class WholeBlocks:
     def finish_loads(self) -> TransferResult:
         return self._loaded  # begin_step waited for them
 
-    def end_step(self, keep_saves: bool = True) -> SaveWait | None:
+    def end_step(self, keep_saves: bool = True) -> PendingSave | None:
         saves, self._saves = self._saves, []
         if not saves or not keep_saves:
             return None
         ready = self._new_event()
         ready.record()  # the forward's cache writes
-        return self.engine.save(saves, ready).wait
+        return self.engine.save(saves, ready)
 
     def take_stats(self) -> dict[str, float]:
         return {}

@@ -5,7 +5,9 @@ The worker owns the store client and a TransferEngine over the caches' entries (
 blocks, or layer by layer), where it stands in vLLM's step its `StepState`. Saves may
 still be running when the forward returns; `barrier()` waits for them before the next
 step can reuse a block (vLLM may free and reallocate a saved block as soon as the next
-schedule, e.g. a block that left a sliding window or a superseded Mamba state).
+schedule, e.g. a block that left a sliding window or a superseded Mamba state), for
+`save_deadline_s` at most: saves still running then are called off (see
+`Ticket.call_off`) and count as failed.
 """
 
 from __future__ import annotations
@@ -20,14 +22,8 @@ from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
 from hybridkv.integration.step_state import StepState
 from hybridkv.integration.topologies import WriterReads
-from hybridkv.integration.transfer_strategy import TransferStrategy, all_failed
-from hybridkv.transport import (
-    BlockTransfer,
-    Event,
-    Ticket,
-    TransferEngine,
-    TransferResult,
-)
+from hybridkv.integration.transfer_strategy import PendingSave, TransferStrategy, all_failed
+from hybridkv.transport import BlockTransfer, Event, Ticket, TransferEngine, TransferResult
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +51,7 @@ class WorkerSide:
         any_rank: Callable[[bool], bool] | None = None,
         steps_ahead: int = 1,
         saves_outlive_step: bool = True,
+        save_deadline_s: float = 10.0,
         writer_reads: WriterReads | None = None,
     ) -> None:
         """`any_rank(flag)`: whether the flag is set on any TP rank, called by every rank
@@ -63,8 +60,10 @@ class WorkerSide:
         without). `saves_outlive_step`: whether a step's saves may still read their blocks
         after `wait_for_save` returns, until the next step's `handle_preemptions` (the
         barrier): only where vLLM calls that before it zeroes, copies or computes into any
-        block; else every save completes within `wait_for_save`. `writer_reads`: how this
-        rank reads another writer topology's objects (loads whose metadata names it)."""
+        block; else every save completes within `wait_for_save`. `save_deadline_s`: how
+        long the barrier waits in all for the saves still running. `writer_reads`: how
+        this rank reads another writer topology's objects (loads whose metadata names
+        it)."""
         if keys.stages != 1:
             raise ValueError(
                 f"a worker moves one pipeline stage's objects, not {keys.stages} stages': "
@@ -75,6 +74,7 @@ class WorkerSide:
         self._any_rank = any_rank
         self._steps_ahead = steps_ahead
         self._saves_outlive_step = saves_outlive_step
+        self._save_deadline_s = save_deadline_s
         self.engine = engine
         self.strategy = strategy
         self.tp_rank = tp_rank
@@ -83,7 +83,10 @@ class WorkerSide:
         self.totals = Counters()
         # Waits for issued saves, with the events of the blocks each one stores and how
         # many blocks it puts.
-        self._saves: list[tuple[Callable[[], TransferResult], dict[str, HeadStored], int]] = []
+        self._saves: list[tuple[PendingSave, dict[str, HeadStored], int]] = []
+        # Saves given up at the deadline whose store calls still run (a stalled pool):
+        # the send thread is theirs, so a save issued meanwhile would only wait behind them.
+        self._given_up: list[PendingSave] = []
         self._step_saves: list[BlockTransfer] = []
         # (request id, plan group, block index) for the scheduler to plan saving again:
         # saves left out because their step computed over a failed load, and blocks whose
@@ -196,11 +199,26 @@ class WorkerSide:
         )
 
     def barrier(self) -> None:
-        """Wait for every save issued so far: their source blocks may be reused next."""
+        """Wait for every save issued so far: their source blocks may be reused next. Saves
+        still running after `save_deadline_s` in all are given up: called off, so that
+        they read no block vLLM may reuse, and counted as failed, never announced."""
         pending, self._saves = self._saves, []
-        for wait, announce, blocks in pending:
+        deadline = time.monotonic() + self._save_deadline_s
+        for save, announce, blocks in pending:
             try:
-                result = wait()
+                result = save.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                save.call_off()
+                self._given_up.append(save)
+                logger.warning(
+                    "hybridkv: saves of %d blocks still running after save_deadline_s "
+                    "(%g s): given up, those blocks stay uncached; no save is issued until "
+                    "their store calls end",
+                    blocks,
+                    self._save_deadline_s,
+                )
+                self._count(failed_save_blocks=blocks)
+                continue
             except Exception:
                 logger.exception("hybridkv: a save failed; those blocks stay uncached")
                 self._count(failed_save_blocks=blocks)
@@ -321,8 +339,11 @@ class WorkerSide:
         failed = self.settle_loads()
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
+        self._given_up = [save for save in self._given_up if not save.done]
         try:
-            wait = self.strategy.end_step(keep_saves=not failed)
+            # While saves given up still run, this step's would wait behind them: not issued
+            # (counted as failed below), so the next barrier does not wait out its deadline.
+            wait = self.strategy.end_step(keep_saves=not failed and not self._given_up)
         except Exception:  # the client raised: none of the step's saves is stored
             logger.exception("hybridkv: this step's saves could not be issued; not stored")
             wait = None

@@ -58,6 +58,7 @@ def new_worker_side(
     layouts: Sequence[GroupLayout],
     mode: TransferMode,
     ranks: WorkerRanks,
+    save_deadline_s: float,
     reads: WriterReads | None = None,
 ) -> WorkerSide:
     """The WorkerSide moving `layouts` through `pool` in `mode` (logged); `reads`: this
@@ -83,5 +84,6 @@ def new_worker_side(
         tp_any_rank(ranks.tp_group) if ranks.tp_group.world_size > 1 else None,
         steps_ahead=vllm_config.max_concurrent_batches - 1,
         saves_outlive_step=preemptions_come_first(vllm_config, device),
+        save_deadline_s=save_deadline_s,
         writer_reads=reads,
     )

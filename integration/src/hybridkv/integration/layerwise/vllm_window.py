@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hybridkv.integration.layerwise.compute_window import LayerwiseStrategy
-from hybridkv.integration.transfer_strategy import SaveWait, Transfers, all_failed
+from hybridkv.integration.transfer_strategy import (
+    PendingSave,
+    SettledSave,
+    Transfers,
+    all_failed,
+)
 from hybridkv.transport import BlockTransfer, TransferEngine, TransferResult, make_event
 
 log = logging.getLogger(__name__)
@@ -208,7 +213,7 @@ class VllmLayerwise:
                 )
         return self._loaded
 
-    def end_step(self, keep_saves: bool = True) -> SaveWait | None:
+    def end_step(self, keep_saves: bool = True) -> PendingSave | None:
         """vLLM's `wait_for_save`: every get and put of the step completes here."""
         self._open_windows.clear()
         loaded = self.finish_loads()
@@ -222,7 +227,7 @@ class VllmLayerwise:
             contended_keys=result.contended_keys,
             bytes=max(result.bytes - loaded.bytes, 0),
         )
-        return lambda: saved
+        return SettledSave(saved)
 
     def take_stats(self) -> dict[str, float]:
         stats = self.strategy.reset_stats().as_dict()

@@ -69,6 +69,10 @@ class StoreUnavailable(StoreError):  # noqa: N818 (named in the package contract
     """The master or the segment holding the data cannot be reached."""
 
 
+class CalledOff(StoreError):  # noqa: N818 (what happened, as its siblings say)
+    """A save's waiter gave up on it: a call that would read the caches was not made."""
+
+
 class UnsupportedClient(StoreError):  # noqa: N818 (named in the package contract)
     """The installed Mooncake client lacks the range/session API hybridkv needs."""
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridkv.transport.batches import GroupBatch, Rows, Segment
-from hybridkv.transport.errors import Status, StoreClosed, StoreError, StoreUnavailable
+from hybridkv.transport.errors import (
+    CalledOff,
+    Status,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+)
 from hybridkv.transport.get_session_pins import GetPins
 from hybridkv.transport.layout import Ranges
 from hybridkv.transport.outcome import Outcome
@@ -52,9 +58,11 @@ class Call:
         self.nbytes: list[int] = []
         self.pieces: list[int] = []
         self.rows: list[tuple[GroupBatch, int]] = []
+        self.in_place = False  # some key moves straight from (or into) the caches
 
     def add(self, batch: GroupBatch, rows: Rows, ranges: Ranges) -> None:
         count = len(rows)
+        self.in_place = self.in_place or count > 0
         self.keys.extend(batch.keys_of(rows))
         self.ptrs.extend(ranges.pointers(batch.blocks[rows]))
         self.sizes.extend([ranges.sizes] * count)
@@ -118,6 +126,10 @@ class ClientSessions:
 class Transfers:
     """Shared plumbing of every session kind: issuing split calls and recording fates."""
 
+    # Saves read the caches (copies into staging, calls in place): their waiter may call
+    # those reads off (see `CacheReads`).
+    reads_caches = False
+
     def __init__(
         self,
         store: Store,
@@ -170,6 +182,8 @@ class Transfers:
         pool's put or get thread: the copy of one slice runs while another's call moves bytes.
         """
         parts = self.options.split(call.nbytes, call.pieces)
+        if self.reads_caches and call.in_place:
+            send = self._while_reading(send)
         if self.pool is None:
             return self.issue_serially(call, parts, operation, send, level)
         if after is not None:
@@ -208,15 +222,29 @@ class Transfers:
         calls: list[Future[list[Status]]] = []
         try:
             for part in parts:
+                allowed = True
                 if before is not None:
-                    before(part)
-                calls.append(self.pool.puts.submit(_guarded, send, part, operation))
+                    with self.outcome.cache_reads.reading() as allowed:
+                        if allowed:
+                            before(part)
+                call_made = send if allowed else _called_off
+                calls.append(self.pool.puts.submit(_guarded, call_made, part, operation))
         finally:
             wait(calls)  # even if a copy failed: a call may still read the slabs
         failed: list[tuple[GroupBatch, int]] = []
         for part, done in zip(parts, calls, strict=True):
             failed += self._settle(call, part, operation, done.result(), level)
         return failed
+
+    def _while_reading(self, send: StoreCall) -> StoreCall:
+        """`send` reading the caches in place: made only while the save's cache reads are
+        not called off, and waited for by `call_off`."""
+
+        def reading(part: slice) -> list[Status]:
+            with self.outcome.cache_reads.reading() as allowed:
+                return send(part) if allowed else _called_off(part)
+
+        return reading
 
     def _get_pipelined(
         self,
@@ -303,8 +331,15 @@ def _guarded(send: StoreCall, part: slice, operation: str) -> list[Status]:
         return [status_of(exc)] * (part.stop - part.start)
 
 
+def _called_off(part: slice) -> list[Status]:
+    raise CalledOff(
+        f"not made: the save's waiter gave up on it, and its {part.stop - part.start} "
+        "keys' blocks may hold other KV by now"
+    )
+
+
 def status_of(error: StoreError) -> Status:
     """The status a call that raised `error` leaves each of its keys with: RPC_FAILED
-    when nothing answered (no word on any object), else OTHER."""
-    unanswered = isinstance(error, (StoreUnavailable, StoreClosed))
+    when nothing answered or no call was made (no word on any object), else OTHER."""
+    unanswered = isinstance(error, (StoreUnavailable, StoreClosed, CalledOff))
     return Status.RPC_FAILED if unanswered else Status.OTHER

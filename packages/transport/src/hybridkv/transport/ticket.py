@@ -6,6 +6,7 @@ that ride on another transfer's write of the same key carry that write's failure
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from hybridkv.transport.outcome import Outcome, TransferResult
@@ -37,10 +38,23 @@ class Ticket:
         return [key for outcome in self._outcomes for key in outcome.result().blamed_keys]
 
     def wait(self, timeout: float | None = None) -> TransferResult:
+        """The result; raises TimeoutError if it is not complete within `timeout` in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         for job in self._jobs:
-            job.wait(timeout)
+            job.wait(left())
         result = TransferResult()
         for outcome in self._outcomes:
-            outcome.wait_riders(timeout)
+            outcome.wait_riders(left())
             result = result.merged(outcome.result())
         return result
+
+    def call_off(self) -> None:
+        """A save its waiter gives up on: once this returns it reads the caches no more
+        (a read in progress ended: a copy, or one store call in place), and what it has
+        not read yet fails, never written. What it already read may still be stored."""
+        for outcome in self._outcomes:
+            outcome.cache_reads.call_off()
