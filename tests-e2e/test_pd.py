@@ -3,13 +3,15 @@
 A prefill server (`kv_role: kv_producer`) computes each prompt for one token and stores
 its KV; a decode server (`kv_consumer` with `consumer_is_to_load`) loads it from the pool
 and generates; `python -m hybridkv.integration.router` sends each request to the one,
-then to the other, and streams the decode server's answer back. Both servers run one
-rank and no pipeline stages (matched topology). Two pool shapes:
+then to the other, and streams the decode server's answer back. Three shapes:
 
 - "holder": the suite's pool, where a segment holder keeps the objects and neither server
   lends memory;
 - "prefill-segment": a pool of its own whose only memory is the prefill server's segment,
-  so the decode server reads straight from the prefill's memory.
+  so the decode server reads straight from the prefill's memory;
+- "pipeline": the suite's pool, a prefill server in two pipeline stages and a decode
+  server in one, told the prefill's (`prefill_pp_size`): each decode layer is read from
+  the stage that stored it.
 
 Through the router, a streamed completion must equal a cold server's (tokens and top-5
 logprobs), the decode server's counters must show the prompt's hit and loads and no
@@ -43,7 +45,7 @@ from api_server import (
     wait_ready,
 )
 from conftest import Pool
-from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS
+from scenario import BLOCK, MAX_NUM_BATCHED_TOKENS, MODELS, thread_binding
 from vllm_instance import settled, start_group, write_pool_config
 
 from hybridkv.transport import MasterProcess
@@ -56,7 +58,8 @@ PREFILL_SEGMENT = 128 << 20
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
 LOADING_CONSUMER = {"consumer_is_to_load": True}
-SHAPES = ("holder", "prefill-segment")
+SHAPES = ("holder", "prefill-segment", "pipeline")
+PREFILL_STAGES = 2
 
 
 @dataclass
@@ -97,24 +100,33 @@ def moved(server: Server, before: dict[str, float]) -> dict[str, float]:
 
 
 def route(
-    model: Path, runs_dir: Path, shape: str, prefill_config: Path, decode_config: Path
+    model: Path,
+    runs_dir: Path,
+    shape: str,
+    prefill_config: Path,
+    decode_config: Path,
+    prefill_stages: int = 1,
 ) -> Routed:
-    """A prefill and a decode server of one pool shape, the router in front, one request."""
+    """A prefill server (in `prefill_stages` pipeline stages) and a decode server (one
+    stage) of one pool shape, the router in front, one request."""
     extra = {"namespace": f"pd-{shape}"}
+    told = {"prefill_pp_size": prefill_stages} if prefill_stages > 1 else {}
     servers = {}
     with contextlib.ExitStack() as stack:
-        for role, config, more in (
-            (PRODUCER, prefill_config, {}),
-            (CONSUMER, decode_config, LOADING_CONSUMER),
+        for role, config, more, stages in (
+            (PRODUCER, prefill_config, {}, prefill_stages),
+            (CONSUMER, decode_config, {**LOADING_CONSUMER, **told}, 1),
         ):
             # short: vLLM's IPC sockets live there, and a socket path has at most 107 bytes
             temp = runs_dir / f"pd-{shape}-{role[3]}"
             temp.mkdir()
             env = {"MOONCAKE_CONFIG_PATH": str(config), "TMPDIR": str(temp)}
+            env["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(stages)
             log = runs_dir / f"pd-{shape}-{role}.log"
-            servers[role] = stack.enter_context(
-                served(model, env, log, extra={**extra, **more}, kv_role=role)
+            server = served(
+                model, env, log, extra={**extra, **more}, kv_role=role, pipeline_parallel=stages
             )
+            servers[role] = stack.enter_context(server)
         prefill, decode = servers[PRODUCER], servers[CONSUMER]
         front = stack.enter_context(router(prefill, decode, runs_dir / f"pd-{shape}-router.log"))
         before = {server: server.counters(WATCHED) for server in (prefill, decode)}
@@ -151,6 +163,13 @@ def routed_prefill_segment(lfm2: Path, runs_dir: Path) -> Routed:
         )
         borrowing = write_pool_config(runs_dir / "pd-decode-segment.json", master.address)
         return route(lfm2, runs_dir, "prefill-segment", lending, borrowing)
+
+
+@pytest.fixture(scope="module")
+def routed_pipeline(lfm2: Path, pool: Pool, runs_dir: Path) -> Routed:
+    """A prefill server in two pipeline stages, a decode server in one."""
+    config = pool.config_path
+    return route(lfm2, runs_dir, "pipeline", config, config, prefill_stages=PREFILL_STAGES)
 
 
 @pytest.fixture(scope="module")
