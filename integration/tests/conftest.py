@@ -85,6 +85,7 @@ def model_config(heads: int = 2, **fields: Any) -> SimpleNamespace:
         dtype=torch.bfloat16,
         hf_overrides={},
         get_total_num_kv_heads=lambda: heads,
+        get_total_num_hidden_layers=lambda: 1,
     )
     return SimpleNamespace(**{**defaults, **fields})
 

@@ -7,6 +7,7 @@ import pytest
 
 from hybridkv.integration.config import (
     ConnectorConfig,
+    WriterTopology,
     mooncake_config_from_env,
     parse_extra_config,
 )
@@ -59,7 +60,14 @@ def test_every_key_is_accepted() -> None:
         ({"_layerwise_backlog": -1}, "_layerwise_backlog"),
         ({"consumer_is_to_put": 1}, "consumer_is_to_put"),
         ({"save_decode_caches": True}, "save_decode_caches"),
-        ({"prefill_pp_size": 2}, "prefill_pp_size"),
+        ({"prefill_pp_size": 0}, "prefill_pp_size"),
+        ({"prefill_pp_size": 2, "prefill_pp_layer_partition": "3,5,1"}, "3 stages"),
+        ({"prefill_pp_size": 2, "prefill_pp_layer_partition": "3,x"}, "positive layer counts"),
+        ({"prefill_pp_size": 2, "prefill_pp_layer_partition": "0,8"}, "positive layer counts"),
+        ({"store_tp_size": 2, "prefill_tp_sizes": [2]}, "not both"),
+        ({"prefill_tp_sizes": [2, 4]}, "one writer topology"),
+        ({"prefill_tp_sizes": []}, "must name a TP size"),
+        ({"store_tp_size": 0}, "store_tp_size"),
         ({"lookup_rpc_port": 5555, "mooncake_rpc_port": 5556}, "mooncake_rpc_port"),
         ({"layerwise_max_transfer_bytes": -1}, "layerwise_max_transfer_bytes"),
         ({"load_async": "yes"}, "load_async"),
@@ -128,12 +136,22 @@ def test_vllm_mooncake_store_connector_config_carries_over() -> None:
     assert parse_extra_config({}).loads_for("kv_both")
 
 
+def test_the_prefill_keys_name_one_writer_topology() -> None:
+    """vLLM-Ascend's prefill stage keys and vLLM's prefill TP size keys, as they mean
+    there; none set: no writer topology besides the reader's own."""
+    assert parse_extra_config({}).writer_topology() is None
+    assert parse_extra_config({"prefill_pp_size": 1}).writer_topology() is None
+    uneven = parse_extra_config({"prefill_pp_size": 2, "prefill_pp_layer_partition": "3,5"})
+    assert uneven.writer_topology() == WriterTopology(None, 2, (3, 5))
+    assert parse_extra_config({"store_tp_size": 2}).writer_topology() == WriterTopology(2, 1)
+    both = parse_extra_config({"prefill_tp_sizes": [2, 2], "prefill_pp_size": 2})
+    assert both.writer_topology() == WriterTopology(2, 2)
+
+
 @pytest.mark.parametrize(
     ("key", "value", "reason"),
     [
-        ("store_tp_size", 2, "tensor-parallel sizes are equal"),
-        ("enable_store_tp_lcm", True, "tensor-parallel sizes are equal"),
-        ("prefill_tp_sizes", [2, 4], "tensor-parallel sizes are equal"),
+        ("enable_store_tp_lcm", True, "no LCM layout"),
         ("custom_mem_pool", "nvlink", "staging_bytes"),
         ("enable_cross_layers_blocks", True, "in place"),
         ("enable_group_semantics", True, "own object"),

@@ -118,19 +118,22 @@ def test_eagle_drops_where_vllm_s_coordinator_does(vllm_specs: Any) -> None:
     assert every.find_hit(223, readable, 224).tokens == 128
 
 
-def test_pipeline_stages_share_a_digest_their_layer_names_do_not_enter(vllm_specs: Any) -> None:
+def test_every_topology_shares_the_scope_each_has_a_topology_digest(vllm_specs: Any) -> None:
     """Each stage's kv_cache_config names its own layers (the scheduler's the first
-    stage's): the digest has the stages' layer ranges in place of the names."""
+    stage's): neither the scope nor the topology digest takes layer names; the scope is
+    the same for every pipeline split and TP size, the topology digest names the cut."""
 
-    def digest(names: list[str], stages: list[tuple[int, int]]) -> str:
+    def plan(names: list[str], stages: list[tuple[int, int]], tp: int = 1) -> Any:
         config = groups(vllm_specs, (names, attention(vllm_specs)), (["m"], mamba(vllm_specs)))
-        return plan_groups(config, [0, 1], SHAPE, pp_stages=stages).digest
+        shape = ModelShape(tp_size=tp, total_kv_heads=2 * tp)
+        return plan_groups(config, [0, 1], shape, pp_stages=stages, num_layers=4)
 
     halves = [(0, 2), (2, 4)]
-    assert digest(["l.0", "l.1"], halves) == digest(["l.2", "l.3"], halves)
-    assert digest(["l.0", "l.1"], []) != digest(["l.2", "l.3"], [])
+    assert plan(["l.0", "l.1"], halves).digest == plan(["l.2", "l.3"], halves).digest
     partitions = ([], halves, [(0, 1), (1, 4)], [(0, 1), (1, 2), (2, 4)])
-    assert len({digest(["l.0"], stages) for stages in partitions}) == 4
+    assert len({plan(["l.0"], stages).digest for stages in partitions}) == 4
+    assert len({plan(["l.0"], stages).scope for stages in partitions}) == 1
+    assert plan(["l.0"], []).digest != plan(["l.0"], [], tp=2).digest
     config = groups(vllm_specs, (["a"], attention(vllm_specs)))
     single = plan_groups(config, [0], SHAPE, pp_stages=halves)
     assert single.pp_size == 2
@@ -143,17 +146,26 @@ def test_pipeline_stages_share_a_digest_their_layer_names_do_not_enter(vllm_spec
     ]
 
 
-def test_layout_digest_separates_incompatible_layouts(vllm_specs: Any) -> None:
-    def digest(tp: int, block: int, heads: int, namespace: str = "") -> str:
-        config = groups(vllm_specs, (["a"], attention(vllm_specs, block, heads)))
-        return plan_groups(config, [0], ModelShape(tp, 4), namespace).digest
+def test_the_scope_separates_incompatible_models(vllm_specs: Any) -> None:
+    def scope(tp: int, block: int, heads: int, namespace: str = "") -> str:
+        config = groups(vllm_specs, (["a"], attention(vllm_specs, block, heads // tp)))
+        return plan_groups(config, [0], ModelShape(tp, heads), namespace).scope
 
-    base = digest(1, 32, 2)
-    assert base == digest(1, 32, 2)
-    assert (
-        len({base, digest(2, 32, 2), digest(1, 64, 2), digest(1, 32, 1), digest(1, 32, 2, "n")})
-        == 5
-    )
+    base = scope(1, 32, 2)
+    assert base == scope(1, 32, 2) == scope(2, 32, 2)  # TP splits the same model's heads
+    assert len({base, scope(1, 64, 2), scope(1, 32, 4), scope(1, 32, 2, "n")}) == 4
+
+
+def test_a_state_sharded_by_tp_keeps_tp_sizes_apart(vllm_specs: Any) -> None:
+    """No rule gives every state type's unsharded shapes: a sharded state's signature
+    names its share, so another TP size never reads it (a replicated one is whole)."""
+
+    def scope(tp: int, replicated: bool) -> str:
+        config = groups(vllm_specs, (["m"], mamba(vllm_specs, tp_replicated=replicated)))
+        return plan_groups(config, [0], ModelShape(tp, 2)).scope
+
+    assert scope(1, False) != scope(2, False)
+    assert scope(1, True) == scope(2, True)
 
 
 @pytest.mark.parametrize(

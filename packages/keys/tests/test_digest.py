@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.keys import HybridKey, layout_digest
+from hybridkv.keys import HybridKey, layout_digest, scope_digest, topology_digest
 
 SIGNATURE_A = {"kind": "full", "page_bytes": 65536, "dtype": "bfloat16"}
 SIGNATURE_B = {"kind": "mamba", "page_bytes": [4096, 1024]}
@@ -126,3 +126,46 @@ def test_a_stage_may_hold_no_layer() -> None:
 def test_bad_stage_range(stage: object) -> None:
     with pytest.raises(ValueError, match=r"pp_stages\[1\] must be a \(start, end\) layer range"):
         layout_digest(1, GROUPS, pp_stages=[(0, 1), stage])  # type: ignore[list-item]
+
+
+SCOPE_GROUPS = [(0, SIGNATURE_A), (1, SIGNATURE_B)]
+
+
+def test_scope_digest_is_sha256_of_its_json_payload() -> None:
+    payload = {"layers": 8, "namespace": "ns", "scope": [[0, SIGNATURE_A], [1, SIGNATURE_B]]}
+    expected = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    assert scope_digest(SCOPE_GROUPS, 8, "ns") == expected
+
+
+def test_scope_digest_separates_what_changes_the_kv() -> None:
+    variants = {
+        scope_digest(SCOPE_GROUPS, 8),
+        scope_digest(SCOPE_GROUPS, 8, "ns"),
+        scope_digest(SCOPE_GROUPS, 9),
+        scope_digest([(1, SIGNATURE_A), (0, SIGNATURE_B)], 8),
+        scope_digest([(0, SIGNATURE_A)], 8),
+    }
+    assert len(variants) == 5
+
+
+def test_topology_digest_separates_tp_sizes_and_stage_ranges() -> None:
+    scope = scope_digest(SCOPE_GROUPS, 8)
+    cuts = [(1, ()), (2, ()), (1, [(0, 4), (4, 8)]), (1, [(0, 3), (3, 8)]), (2, [(0, 4), (4, 8)])]
+    digests = {topology_digest(scope, tp, stages) for tp, stages in cuts}
+    assert len(digests) == len(cuts)
+    assert topology_digest(scope_digest(SCOPE_GROUPS, 8, "ns"), 1) != topology_digest(scope, 1)
+    HybridKey("m", topology_digest(scope, 2), 0, 16, "00", 0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: scope_digest(SCOPE_GROUPS, 0), "num_layers must be positive"),
+        (lambda: scope_digest([(-1, SIGNATURE_A)], 2), r"groups\[0\]: group id"),
+        (lambda: topology_digest("s", 0), "tp_size must be positive"),
+        (lambda: topology_digest("s", 1, [(2, 1)]), r"pp_stages\[0\]"),
+    ],
+)
+def test_digests_refuse_bad_input_by_name(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()  # type: ignore[operator]

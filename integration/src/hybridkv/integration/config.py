@@ -135,9 +135,14 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     layerwise_num_shared_buffers: NonNegative | None = None
     # AscendStoreConnector takes physical layer indices here.
     layerwise_independent_layers: list[int | str] | None = None
-    # Pipeline parallelism of a prefill instance: unsupported, so only 1 is accepted.
+    # The writer topology this reader also reads (besides its own), as vLLM-Ascend's
+    # (pipeline stages, layer counts per stage as VLLM_PP_LAYER_PARTITION writes them)
+    # and vLLM's MooncakeStoreConnector (the prefill's TP size) name it; see
+    # `writer_topology`. Unset: the reader's own values.
     prefill_pp_size: Positive = 1
     prefill_pp_layer_partition: str | None = None
+    prefill_tp_sizes: list[Positive] | None = None
+    store_tp_size: Positive | None = None
 
     def __post_init__(self) -> None:
         if not self.discard_partial_chunks:
@@ -162,13 +167,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 f"staging_bytes must be at most this host's memory ({memory} B), "
                 f"got {self.staging_bytes}"
             )
-        if self.prefill_pp_size != 1 or self.prefill_pp_layer_partition is not None:
-            raise ValueError(
-                "prefill_pp_size / prefill_pp_layer_partition: reading what a prefill "
-                "instance with other pipeline stages wrote is not supported by "
-                "HybridKVConnector yet (remove the keys or use prefill_pp_size 1; an "
-                "instance's own pipeline_parallel_size is supported)"
-            )
+        self.writer_topology()  # refused now if the keys contradict each other
         if self.integrity_secret_env:
             if not _ENV_NAME.fullmatch(self.integrity_secret_env):
                 raise ValueError(
@@ -194,6 +193,24 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                     f"{key} must be at most {MAX_SECONDS:g} seconds (a day), "
                     f"got {getattr(self, key)}"
                 )
+
+    def writer_topology(self) -> WriterTopology | None:
+        """The other writer topology to read, from the prefill keys (None: none set)."""
+        if self.store_tp_size is not None and self.prefill_tp_sizes is not None:
+            raise ValueError("set store_tp_size or prefill_tp_sizes, not both")
+        sizes = sorted(set(self.prefill_tp_sizes or ()))
+        if len(sizes) > 1:
+            raise ValueError(
+                f"prefill_tp_sizes {self.prefill_tp_sizes}: HybridKVConnector reads one "
+                "writer topology besides its own; give one TP size"
+            )
+        if self.prefill_tp_sizes == []:
+            raise ValueError("prefill_tp_sizes must name a TP size (or leave it unset)")
+        tp_size = self.store_tp_size or (sizes[0] if sizes else None)
+        partition = _layer_partition(self.prefill_pp_layer_partition, self.prefill_pp_size)
+        if tp_size is None and self.prefill_pp_size == 1 and partition is None:
+            return None
+        return WriterTopology(tp_size, self.prefill_pp_size, partition)
 
     def lookup_port(self, data_parallel_rank: int = 0) -> int:
         """The fixed lookup port of a data-parallel engine (0: none, a Unix socket):
@@ -223,16 +240,42 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return self.enable_lookup and (kv_role != "kv_consumer" or self.consumer_is_to_load)
 
 
+class WriterTopology(msgspec.Struct, frozen=True):
+    """A writer's cut as the reader's config names it: `tp_size` None is the reader's
+    own; `partition`, the layers of each stage (None: vLLM's even split)."""
+
+    tp_size: int | None
+    pp_size: int
+    partition: tuple[int, ...] | None = None
+
+
+def _layer_partition(text: str | None, pp_size: int) -> tuple[int, ...] | None:
+    """`prefill_pp_layer_partition` ("3,5", as VLLM_PP_LAYER_PARTITION) as layer counts."""
+    if text is None:
+        return None
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(count < 1 for count in counts):
+        raise ValueError(
+            f"prefill_pp_layer_partition {text!r} must be positive layer counts separated "
+            'by commas, one per stage (e.g. "3,5")'
+        )
+    if len(counts) != pp_size:
+        raise ValueError(
+            f"prefill_pp_layer_partition {text!r} has {len(counts)} stages, "
+            f"prefill_pp_size is {pp_size}"
+        )
+    return counts
+
+
 # Keys of vLLM's MooncakeStoreConnector that choose a store layout or memory of its own,
 # which hybridkv has no counterpart for: refused with the reason, never ignored.
-_PER_HEAD = (
-    "stores one object per storing KV head; instances share objects when their "
-    "tensor-parallel sizes are equal"
-)
 VLLM_MOONCAKE_ONLY = {
-    "store_tp_size": _PER_HEAD,
-    "enable_store_tp_lcm": _PER_HEAD,
-    "prefill_tp_sizes": _PER_HEAD,
+    "enable_store_tp_lcm": "stores one object per storing KV head of the writer's own TP "
+    "size, and reads another TP size's objects when store_tp_size or prefill_tp_sizes "
+    "names it (there is no LCM layout)",
     "custom_mem_pool": "registers vLLM's own KV cache memory (host caches move through "
     "registered staging memory, see staging_bytes)",
     "enable_cross_layers_blocks": "follows the cache's own layout (block-outermost caches "

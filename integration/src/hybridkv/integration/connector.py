@@ -25,6 +25,7 @@ from hybridkv.integration.bounded_wait import finished_within
 from hybridkv.integration.cache_layouts import build_layouts
 from hybridkv.integration.checkpoints import drops_eagle_block, prefill_checkpoints
 from hybridkv.integration.config import ConnectorConfig, parse_extra_config
+from hybridkv.integration.groups import KVPlan
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.kv_events import PoolAnnouncer, StoredEvents
 from hybridkv.integration.logs import follow_vllm_logging
@@ -33,6 +34,7 @@ from hybridkv.integration.metadata import FailedLoads, HybridKVMetadata
 from hybridkv.integration.pool import Pool, open_pool
 from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.stats import HybridKVPromMetrics, HybridKVStats
+from hybridkv.integration.topologies import WriterReads, rank_reads
 from hybridkv.integration.transfer_mode import TransferMode
 from hybridkv.integration.vllm_facts import (
     background_loads_reason,
@@ -42,14 +44,17 @@ from hybridkv.integration.vllm_facts import (
     hash_block_size,
     instance_id,
     layer_numbers,
+    pipeline_stages,
     plan_from_vllm,
     prompt_tail_unit,
     refuse_layerwise_micro_batches,
+    writer_plan,
 )
 from hybridkv.integration.weights import weights_identity
 from hybridkv.integration.worker import WorkerSide
 from hybridkv.integration.worker_start import WorkerRanks, new_worker_side
 from hybridkv.keys import model_name
+from hybridkv.transport import GroupLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,6 +103,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.keys = KeySpace(
             self.plan, model_name(vllm_config.model_config.model), self.config.namespace
         )
+        self._writer = self._writer_topology(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
         self._worker: WorkerSide | None = None
@@ -138,7 +144,30 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 use_eagle=drops_eagle_block(vllm_config),
                 local_hit_unit=hash_block_size(vllm_config, kv_cache_config),
                 steps_ahead=vllm_config.max_concurrent_batches - 1,
+                writer_keys=None if self._writer is None else self._writer_keys(None),
             )
+
+    def _writer_topology(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> tuple[KVPlan, list[tuple[int, int]]] | None:
+        """The other writer topology this reader reads (plan, stage ranges), if any."""
+        topology = self.config.writer_topology()
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        if topology is None or not self.config.loads_for(transfer.kv_role):
+            return None
+        if self.config.use_layerwise:
+            raise ValueError(
+                "use_layerwise: reading another writer topology (prefill_pp_size, "
+                "prefill_pp_layer_partition, store_tp_size, prefill_tp_sizes) loads whole "
+                "blocks only; turn one of them off"
+            )
+        return writer_plan(vllm_config, kv_cache_config, self.plan, topology, self.config.namespace)
+
+    def _writer_keys(self, pp_rank: int | None) -> KeySpace:
+        assert self._writer is not None
+        model = model_name(self._vllm_config.model_config.model)
+        return KeySpace(self._writer[0], model, self.config.namespace, pp_rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -249,6 +278,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         layer_index = layer_numbers(kv_caches, self._vllm_config.model_config.hf_config.model_type)
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
+        reads = None
+        if self._writer is not None:
+            reads = self._writer_reads(ranks, layouts, layer_index)
         pool = open_pool(
             self.config, ranks.tp_rank, ranks.tp_group.broadcast_object, self.plan.pp_size
         )
@@ -260,7 +292,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             pool.close()  # an embedded master must not outlive the refused start
             raise
         self._pool = pool
-        self._worker = new_worker_side(self._vllm_config, self.keys, pool, layouts, mode, ranks)
+        self._worker = new_worker_side(
+            self._vllm_config, self.keys, pool, layouts, mode, ranks, reads
+        )
         if ranks.serves_lookups:
             self._channel.claim()
             self._server = LookupServer(
@@ -268,6 +302,38 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._channel.endpoint,
                 self._remove_from_pool,
             )
+
+    def _writer_reads(
+        self, ranks: WorkerRanks, layouts: list[GroupLayout], layer_index: dict[str, int]
+    ) -> WriterReads:
+        """This rank's reads of the writer topology's objects, planned once."""
+        assert self._writer is not None
+        writer, writer_stages = self._writer
+        layers = self._vllm_config.model_config.get_total_num_hidden_layers()
+        own_stages = pipeline_stages(self._vllm_config) or [(0, layers)]
+        names = {index: name for name, index in layer_index.items()}
+        reads = rank_reads(
+            self.plan,
+            writer,
+            writer_stages,
+            own_stages[ranks.pp_rank],
+            ranks.pp_rank,
+            ranks.tp_rank,
+            layouts,
+            names,
+            layers,
+        )
+        keys = [self._writer_keys(stage) for stage in range(writer.pp_size)]
+        logger.info(
+            "hybridkv: TP rank %d of stage %d reads %d objects per block of the writer "
+            "topology (TP size %d, stages %s)",
+            ranks.tp_rank,
+            ranks.pp_rank,
+            len(reads),
+            writer.tp_size,
+            writer_stages or "none",
+        )
+        return WriterReads(keys, layouts, reads)
 
     def _remove_from_pool(self) -> int:
         # Every stage's objects (this worker's key space renders its own stage's only).

@@ -20,7 +20,7 @@ from hybridkv.coordinator import (
     RecurrentState,
     SlidingWindow,
 )
-from hybridkv.keys import layout_digest
+from hybridkv.keys import scope_digest, topology_digest
 
 
 @dataclass(frozen=True)
@@ -107,17 +107,26 @@ def translator(*spec_types: type) -> Callable[[_Translator], _Translator]:
 
 
 def _attention_signature(spec: Any, shape: ModelShape) -> dict[str, Any]:
+    """In whole-model terms: every topology of one model computes the same signature
+    (heads are the model's total, bytes are per head), unless a page does not split into
+    equal heads (padding), where the page and the TP size name it instead."""
+    sharded = spec.num_kv_heads < shape.total_kv_heads
+    heads = shape.total_kv_heads if sharded else spec.num_kv_heads
     signature = {
         "spec": type(spec).__name__,
         "block_size": spec.block_size,
-        "page_bytes": spec.page_size_bytes,
-        "kv_heads": spec.num_kv_heads,
+        "kv_heads": heads,
         "head_size": spec.head_size,
         "dtype": str(spec.dtype),
     }
+    if spec.page_size_bytes % spec.num_kv_heads:
+        signature |= {"page_bytes": spec.page_size_bytes, "tp_size": shape.tp_size}
+    else:
+        signature["head_bytes"] = spec.page_size_bytes // spec.num_kv_heads
     # The order of heads and tokens moves bytes only where a page holds several of each
-    # (its head slots: some backends pack one KV head into two).
-    if spec.num_heads > 1 and spec.num_states > 1:
+    # (its head slots: some backends pack one KV head into two); across TP sizes a page
+    # holds a share of the model's heads, so the model's count decides.
+    if max(spec.num_heads, heads) > 1 and spec.num_states > 1:
         signature["block_interior"] = shape.block_interior
     return signature
 
@@ -174,6 +183,9 @@ def _register_vllm_specs() -> None:
                 "only then does a block hold the state at its end boundary; enable prefix "
                 "caching or pass mamba_cache_mode='align'"
             )
+        # A state sharded by TP holds this TP size's share (`shards`): the shapes of the
+        # unsharded state are the model's own, which no rule gives for every state type.
+        shards = 1 if spec.tp_replicated else shape.tp_size
         signature = {
             "spec": type(spec).__name__,
             "block_size": spec.block_size,
@@ -181,8 +193,9 @@ def _register_vllm_specs() -> None:
             "shapes": [list(s) for s in spec.shapes],
             "dtypes": [str(d) for d in spec.dtypes],
             "mamba_type": str(spec.mamba_type),
+            "shards": shards,
         }
-        storing = 1 if spec.tp_replicated else shape.tp_size
+        storing = shards
         return RecurrentState(spec.block_size), signature, storing
 
     @translator(specs.UniformTypeKVCacheSpecs)
@@ -227,7 +240,10 @@ class KVPlan:
 
     groups: tuple[GroupPlan, ...]
     tp_size: int
+    # The topology digest: the keys' `layout` field (see `hybridkv.keys.topology_digest`).
     digest: str
+    # The topology-free scope block hashes chain under (`hybridkv.keys.scope_digest`).
+    scope: str
     hash_block_size: int
     pp_size: int = 1
     # vLLM's scheduler block size: the LCM over ALL its groups, those not stored included.
@@ -266,13 +282,16 @@ def plan_groups(
     namespace: str = "",
     pp_stages: Sequence[tuple[int, int]] = (),
     weights: str = "",
+    num_layers: int | None = None,
 ) -> KVPlan:
     """Translate the prefix-cacheable groups `group_ids` of a vLLM kv_cache_config.
 
     `pp_stages`: the `[start, end)` model layers of each pipeline stage (none: no stages).
-    Each stage holds its own layers of every group and keys its objects by stage; the
-    digest then has the stages' ranges in place of the layer names: each stage's
-    kv_cache_config names its own layers only, the scheduler's the first stage's."""
+    Each stage holds its own layers of every group and keys its objects by stage.
+    `num_layers`: the model's layers (default: the stages' end, else the layer names).
+    vLLM groups the whole model's layers before it gives each stage its share, so group
+    ids and whole-model signatures name the scope whichever stage asks (a stage's
+    kv_cache_config names its own layers only, the scheduler's the first stage's)."""
     if not _TRANSLATORS:
         _register_vllm_specs()
     if not group_ids:
@@ -295,17 +314,18 @@ def plan_groups(
                 drafted=any(group.kv_cache_spec == spec for spec in drafted),
             )
         )
-    digest = layout_digest(
-        shape.tp_size,
-        [(() if pp_stages else plan.layer_names, plan.signature) for plan in plans],
-        namespace or None,
-        pp_stages,
+    if num_layers is None:
+        names = {name for group in kv_cache_groups for name in group.layer_names}
+        num_layers = pp_stages[-1][1] if pp_stages else len(names)
+    scope = scope_digest(
+        [(plan.vllm_group_id, plan.signature) for plan in plans], num_layers, namespace or None
     )
     return KVPlan(
         groups=tuple(plans),
         tp_size=shape.tp_size,
-        digest=digest,
+        digest=topology_digest(scope, shape.tp_size, pp_stages),
         hash_block_size=math.gcd(*(plan.block_size for plan in plans)),
+        scope=scope,
         pp_size=max(1, len(pp_stages)),
         scheduler_block_size=math.lcm(
             *(group.kv_cache_spec.block_size for group in kv_cache_groups)

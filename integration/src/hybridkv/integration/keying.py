@@ -2,8 +2,9 @@
 
 Hashes come from `hybridkv.keys.BlockHasher` (SHA-256 chains over token ids and extras), not
 from vLLM's block hashes, so two instances agree without sharing `PYTHONHASHSEED`. The
-hasher's namespace carries the layout digest, so incompatible layouts never share a hash
-even in the single-group key format, which has no layout field.
+hasher's namespace carries the plan's scope (topology-free: every TP size and pipeline
+split of one model hashes a prompt alike), so incompatible models never share a hash even
+in the single-group key format, which has no layout field.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class RequestHashes:
         tokens only)."""
         # Each cache reset (a weight update) starts a generation whose hashes share nothing
         # with the previous ones; generation 0 hashes as before resets existed.
-        scope = f"{namespace}\0{plan.digest}"
+        scope = f"{namespace}\0{plan.scope}"
         if plan.weights:
             scope += f"\0weights {plan.weights}"
         if generation:
@@ -149,7 +150,8 @@ def scoped_model(model: str, namespace: str) -> str:
 
 
 class KeySpace:
-    """Renders the keys of every group: BlockKey for one group, HybridKey for several.
+    """Renders the keys of every group: BlockKey for a whole block of one group (one
+    stage, one storing head), HybridKey otherwise (its `layout` field the topology digest).
 
     Both formats keep namespaces apart in the key, not only in the hash, so that removing
     by key prefix (a cache reset) reaches one namespace: the hybrid format through its
@@ -179,7 +181,10 @@ class KeySpace:
         self.stages = len(stages)
         #: The stage whose objects this key space writes (0 without pipeline stages).
         self.pp_rank = pp_rank or 0
-        self._hybrid = plan.hybrid or plan.pp_size > 1
+        # Block hashes are topology-free: only an object that is a whole block of every
+        # layer and head (one group, stage and storing head) is the same bytes for every
+        # topology writing it, and only it may take the format without a layout field.
+        self._hybrid = plan.hybrid or plan.pp_size > 1 or plan.groups[0].heads.storing > 1
         if self._hybrid:
             self._renderers = [
                 [

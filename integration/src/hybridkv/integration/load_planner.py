@@ -30,6 +30,7 @@ class PendingLoad:
     local_tokens: int
     hit: Hit
     tail_tokens: int = 0  # of the hit, those past the aligned hit (a prompt tail)
+    topology: int = 0  # whose objects the hit is (see `RequestTransfers.topology`)
 
 
 class LoadPlanner:
@@ -117,7 +118,10 @@ class LoadPlanner:
         self.hit_requests += 1
         self.tail_hit_tokens += pending.tail_tokens if allocated is pending.hit else 0
         self._ready[request.request_id] = RequestTransfers(
-            request_id=request.request_id, loads=loads, load_async=self.load_async
+            request_id=request.request_id,
+            loads=loads,
+            load_async=self.load_async,
+            topology=pending.topology,
         )
 
     def _allocated_hit(self, request_id: str, pending: PendingLoad, external: int) -> Hit:

@@ -39,6 +39,9 @@ class RequestTransfers(msgspec.Struct, kw_only=True):
     # Load in the background and report through get_transfer_results (vLLM's async load
     # path).
     load_async: bool = False
+    # Whose objects the loads read: 0 this instance's topology, 1 the configured writer
+    # topology's (its keys, its objects' pieces).
+    topology: int = 0
 
 
 class HybridKVMetadata(KVConnectorMetadata):

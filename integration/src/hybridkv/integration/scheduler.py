@@ -56,6 +56,7 @@ class SchedulerSide:
         use_eagle: bool = False,
         local_hit_unit: int = 0,
         steps_ahead: int = 0,
+        writer_keys: KeySpace | None = None,
     ) -> None:
         """`tail_unit`: vLLM's hash unit where its prefix cache hits inside blocks (prompt
         tails are stored and looked up at its multiples); 0: whole blocks only.
@@ -67,7 +68,9 @@ class SchedulerSide:
         `drops_eagle_block`); hits from the pool, and the states saved for them, follow.
         `local_hit_unit`: vLLM's hash block size, which its own prefix-cache hits end on a
         multiple of (0: the plan's hash unit). `steps_ahead`: how many steps vLLM schedules
-        before it reports a step's outcome (async scheduling, pipeline stages)."""
+        before it reports a step's outcome (async scheduling, pipeline stages).
+        `writer_keys`: the keys of another writer topology this reader reads (its groups
+        are this plan's): a request takes the longer hit, its own on a tie."""
         self.keys = keys
         self.plan = keys.plan
         self.config = config
@@ -82,6 +85,16 @@ class SchedulerSide:
         self._hits = HitFinder(
             keys, self.coordinator, query, quarantine, tail_unit, config.test_exact_lookup_keys
         )
+        self._writer_hits = None
+        if writer_keys is not None:
+            self._writer_hits = HitFinder(
+                writer_keys,
+                self.coordinator,
+                query,
+                quarantine,
+                tail_unit,
+                config.test_exact_lookup_keys,
+            )
         load_async = config.load_async or load_async_required
         self._loads = LoadPlanner(self.plan, self.coordinator, load_async)
         self._poisoned = PoisonedBlocks(self.plan.groups[0].block_size, steps_ahead)
@@ -147,7 +160,13 @@ class SchedulerSide:
         if not self._hits.worth_asking(request, num_computed):
             return 0, False
         self._queried_tokens += request.num_tokens - num_computed
-        found = self._hits.find(request, self._track(request), num_computed)
+        tracked = self._track(request)
+        found = self._hits.find(request, tracked, num_computed)
+        topology = 0
+        if self._writer_hits is not None:
+            theirs = self._writer_hits.find(request, tracked, num_computed)
+            if theirs is not None and (found is None or theirs[0].tokens > found[0].tokens):
+                found, topology = theirs, 1
         if found is None:
             return 0, False
         hit, aligned = found
@@ -155,7 +174,8 @@ class SchedulerSide:
             self._loads.drop(request.request_id)
             return 0, False
         tail_tokens = hit.tokens - max(aligned.tokens, num_computed)
-        self._loads.expect(request.request_id, PendingLoad(num_computed, hit, tail_tokens))
+        pending = PendingLoad(num_computed, hit, tail_tokens, topology)
+        self._loads.expect(request.request_id, pending)
         return hit.tokens - num_computed, self._loads.load_async
 
     # -- allocation -------------------------------------------------------------------
@@ -242,7 +262,7 @@ class SchedulerSide:
             tracked = self._requests.get(request_id)
             if tracked is not None:
                 tracked.scanned[group] = min(tracked.scanned[group], index)
-        self._hits.quarantine_failed(list(keys))
+        self._hits.quarantine_failed(list(keys))  # (the writer's finder shares its quarantine)
         for request_id in request_ids:
             dropped = self._requests.pop(request_id)
             if dropped is not None:  # (not one that finished while it loaded)

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridkv.integration.config import WriterTopology
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.kv_events import EventBuilder
+from hybridkv.integration.topologies import refuse_unreadable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,19 +47,36 @@ def plan_from_vllm(
     ):
         if size > 1:
             raise ValueError(f"HybridKVConnector does not support {what} yet ({setting}={size})")
-    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    shape = ModelShape(
-        tp_size=parallel.tensor_parallel_size,
-        total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-        block_interior="".join(axis for axis in layout.name if axis in "HNC"),
+    return _plan(
+        vllm_config,
+        kv_cache_config,
+        namespace,
+        weights,
+        parallel.tensor_parallel_size,
+        pipeline_stages(vllm_config),
     )
+
+
+def _plan(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    namespace: str,
+    weights: str,
+    tp_size: int,
+    stages: list[tuple[int, int]],
+) -> KVPlan:
     return plan_groups(
         kv_cache_config.kv_cache_groups,
         kv_cache_config.prefix_cacheable_group_ids,
-        shape,
+        ModelShape(
+            tp_size=tp_size,
+            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+            block_interior=block_interior(vllm_config),
+        ),
         namespace,
-        pipeline_stages(vllm_config),
+        stages,
         weights,
+        vllm_config.model_config.get_total_num_hidden_layers(),
     )
 
 
@@ -70,6 +89,53 @@ def pipeline_stages(vllm_config: VllmConfig) -> list[tuple[int, int]]:
         return []
     layers = vllm_config.model_config.get_total_num_hidden_layers()
     return [get_pp_indices(layers, rank, stages) for rank in range(stages)]
+
+
+def block_interior(vllm_config: VllmConfig) -> str:
+    """The order of a cache block's heads (H), tokens (N) and channels (C) in vLLM's
+    resolved KV cache layout (LBNHC: "NHC")."""
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    return "".join(axis for axis in layout.name if axis in "HNC")
+
+
+def writer_plan(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    reader: KVPlan,
+    topology: WriterTopology,
+    namespace: str,
+) -> tuple[KVPlan, list[tuple[int, int]]] | None:
+    """The plan and stage ranges of the writer topology the config names (None: it is the
+    reader's own); refused with the reason where this reader cannot read it."""
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    stages = writer_stages(layers, topology)
+    tp_size = topology.tp_size or reader.tp_size
+    if tp_size == reader.tp_size and stages == pipeline_stages(vllm_config):
+        logger.info("hybridkv: the configured writer topology is this instance's own")
+        return None
+    writer = _plan(vllm_config, kv_cache_config, namespace, reader.weights, tp_size, stages)
+    refuse_unreadable(reader, writer, block_interior(vllm_config))
+    return writer, stages
+
+
+def writer_stages(num_layers: int, topology: WriterTopology) -> list[tuple[int, int]]:
+    """A writer's stage ranges as vLLM's `get_pp_indices` cuts them (none: one stage):
+    by its partition (VLLM_PP_LAYER_PARTITION's meaning), else evenly with the remainder
+    on the stages before the last. Never from this process's own environment."""
+    if topology.pp_size == 1:
+        return []
+    counts = list(topology.partition or ())
+    if counts and sum(counts) != num_layers:
+        raise ValueError(
+            f"prefill_pp_layer_partition {','.join(map(str, counts))} sums to "
+            f"{sum(counts)} layers; the model has {num_layers}"
+        )
+    if not counts:
+        counts = [num_layers // topology.pp_size] * topology.pp_size
+        for stage in range(2, num_layers % topology.pp_size + 2):
+            counts[-stage] += 1
+    starts = [sum(counts[:stage]) for stage in range(len(counts))]
+    return [(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
 def refuse_layerwise_micro_batches(vllm_config: VllmConfig) -> None:

@@ -19,6 +19,7 @@ from hybridkv.integration.kv_events import HeadStored
 from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
 from hybridkv.integration.step_state import StepState
+from hybridkv.integration.topologies import WriterReads
 from hybridkv.integration.transfer_strategy import TransferStrategy, all_failed
 from hybridkv.transport import (
     BlockTransfer,
@@ -54,6 +55,7 @@ class WorkerSide:
         any_rank: Callable[[bool], bool] | None = None,
         steps_ahead: int = 1,
         saves_outlive_step: bool = True,
+        writer_reads: WriterReads | None = None,
     ) -> None:
         """`any_rank(flag)`: whether the flag is set on any TP rank, called by every rank
         of the TP group together (None: this rank alone). `steps_ahead`: how many steps
@@ -61,13 +63,15 @@ class WorkerSide:
         without). `saves_outlive_step`: whether a step's saves may still read their blocks
         after `wait_for_save` returns, until the next step's `handle_preemptions` (the
         barrier): only where vLLM calls that before it zeroes, copies or computes into any
-        block; else every save completes within `wait_for_save`."""
+        block; else every save completes within `wait_for_save`. `writer_reads`: how this
+        rank reads another writer topology's objects (loads whose metadata names it)."""
         if keys.stages != 1:
             raise ValueError(
                 f"a worker moves one pipeline stage's objects, not {keys.stages} stages': "
                 "give its KeySpace the worker's pp_rank"
             )
         self.keys = keys
+        self._writer_reads = writer_reads
         self._any_rank = any_rank
         self._steps_ahead = steps_ahead
         self._saves_outlive_step = saves_outlive_step
@@ -100,6 +104,23 @@ class WorkerSide:
         self.counters.add(**values)
         self.totals.add(**values)
 
+    def _writer_loads(self, request_id: str, refs: Iterable[BlockRef]) -> list[BlockTransfer]:
+        """Loads of another writer topology's objects: every object a block needs."""
+        if self._writer_reads is None:
+            raise RuntimeError("the scheduler planned loads of a writer topology this rank lacks")
+        return [
+            transfer
+            for ref in refs
+            for transfer in self._writer_reads.transfers(
+                ref, request_id, -ref.tail if ref.tail else ref.index
+            )
+        ]
+
+    def _plan_group(self, layout_id: int) -> int:
+        """The plan group a transfer's layout loads (its own, or a writer object's)."""
+        reads = self._writer_reads
+        return layout_id if reads is None else reads.plan_group(layout_id)
+
     def _transfers(
         self, request_id: str, refs: Iterable[BlockRef], writing: bool
     ) -> list[BlockTransfer]:
@@ -129,7 +150,7 @@ class WorkerSide:
             by_group.setdefault(load.group, []).append(load)
         spread = []
         for group, members in by_group.items():
-            replicas = self.keys.plan.groups[group].heads.replicas
+            replicas = self.keys.plan.groups[self._plan_group(group)].heads.replicas
             shift = len(members) * (self.tp_rank % replicas) // replicas
             spread.extend(members[shift:] + members[:shift])
         return spread
@@ -215,8 +236,11 @@ class WorkerSide:
         saves: list[BlockTransfer] = []
         loaded_blocks = 0
         for request in meta.requests:
-            loads = self._transfers(request.request_id, request.loads, writing=False)
-            loaded_blocks += len(loads)
+            if request.topology:
+                loads = self._spread(self._writer_loads(request.request_id, request.loads))
+            else:
+                loads = self._transfers(request.request_id, request.loads, writing=False)
+            loaded_blocks += len(request.loads)  # (a block may read several objects)
             if request.load_async:  # vLLM waits for its report, even with nothing to load
                 self._async_waiting[request.request_id] = loads
             else:
@@ -320,7 +344,7 @@ class WorkerSide:
         """Hand blocks to save back to the scheduler (a prompt tail, owned under a
         negative index, is not planned again: it is lost)."""
         self._unsaved.update(
-            (save.request_id, save.group, save.block_index)
+            (save.request_id, self._plan_group(save.group), save.block_index)
             for save in saves
             if save.block_index >= 0
         )

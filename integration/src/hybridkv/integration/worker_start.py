@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.pool import Pool
+from hybridkv.integration.topologies import WriterReads
 from hybridkv.integration.transfer_mode import TransferMode
 from hybridkv.integration.vllm_facts import preemptions_come_first, tp_any_rank
 from hybridkv.integration.worker import WorkerSide
@@ -57,8 +58,10 @@ def new_worker_side(
     layouts: Sequence[GroupLayout],
     mode: TransferMode,
     ranks: WorkerRanks,
+    reads: WriterReads | None = None,
 ) -> WorkerSide:
-    """The WorkerSide moving `layouts` through `pool` in `mode` (logged)."""
+    """The WorkerSide moving `layouts` through `pool` in `mode` (logged); `reads`: this
+    rank's reads of another writer topology's objects, with layouts of their own."""
     device = vllm_config.device_config.device_type
     logger.info(
         "hybridkv: TP rank %d moves %d KV cache groups %s at granularity %r; %d of them "
@@ -69,7 +72,8 @@ def new_worker_side(
         mode.options.granularity,
         sum(layout.contiguous for layout in layouts),
     )
-    engine = TransferEngine(pool.store, layouts, mode.options, device)
+    extra = [] if reads is None else reads.layouts
+    engine = TransferEngine(pool.store, [*layouts, *extra], mode.options, device)
     return WorkerSide(
         keys,
         engine,
@@ -79,4 +83,5 @@ def new_worker_side(
         tp_any_rank(ranks.tp_group) if ranks.tp_group.world_size > 1 else None,
         steps_ahead=vllm_config.max_concurrent_batches - 1,
         saves_outlive_step=preemptions_come_first(vllm_config, device),
+        writer_reads=reads,
     )

@@ -1,7 +1,12 @@
-"""The layout digest: which cache layout a hybrid key's bytes were written in.
+"""Digests naming what a key's bytes are: the model's scope, a writer's topology.
 
-Two instances may share an object only if they cut the KV cache the same way: same TP size,
-same layers in each group, same page format. The digest is the interoperable definition
+`scope_digest` names the model's caches independent of parallelism: every topology of
+one model computes it alike, so block hashes chained under it agree across topologies.
+`topology_digest` adds one writer's cut (TP size, stage ranges): what a hybrid key's
+`layout` field holds, since objects differ by topology where hashes do not.
+
+`layout_digest` is the older name of a layout (TP, stages and per-rank signatures in one
+hash), which hybridkv no longer writes; it stays the interoperable definition
 (vllm-ascend's hybrid keys use the same one, without pipeline stages): sha256 hex of
 ``json.dumps((tp_size, [(sorted(layer_names), signature), ...]), sort_keys=True)``, with
 the namespace first when there is one. Signatures must be JSON: a ``repr`` fallback would
@@ -67,3 +72,48 @@ def _stage(index: int, stage: object) -> list[int]:
     ):
         raise ValueError(f"pp_stages[{index}] must be a (start, end) layer range, got {stage!r}")
     return [stage[0], stage[1]]
+
+
+def scope_digest(
+    groups: Iterable[tuple[int, object]], num_layers: int, namespace: str | None = None
+) -> str:
+    """sha256 hex of a model's topology-free scope: ``groups`` is ``(vLLM group id,
+    whole-model signature)`` per stored group, ``num_layers`` the model's layer count.
+
+    No layer names: a pipeline stage's scheduler sees only its first stage's names, and
+    every topology must compute the same scope. (vLLM groups the whole model's layers the
+    same way whatever the stages, so the group ids and the layer count name them.)
+    """
+    _positive("num_layers", num_layers)
+    if namespace is not None and not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
+    described = []
+    for index, (group_id, signature) in enumerate(groups):
+        if not isinstance(group_id, int) or isinstance(group_id, bool) or group_id < 0:
+            raise ValueError(f"groups[{index}]: group id must be an int >= 0, got {group_id!r}")
+        refuse_coerced_keys(signature, f"groups[{index}] signature")
+        described.append([group_id, signature])
+    payload = {"scope": described, "layers": num_layers, "namespace": namespace}
+    try:
+        text = json.dumps(payload, sort_keys=True)
+    except TypeError as exc:
+        raise TypeError(f"every group signature must be a JSON value: {exc}") from exc
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def topology_digest(scope: str, tp_size: int, pp_stages: Sequence[tuple[int, int]] = ()) -> str:
+    """sha256 hex of one writer topology of a scope: its TP size and the ``[start, end)``
+    layer range of each pipeline stage (empty: one stage)."""
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a str, got {type(scope).__name__}")
+    _positive("tp_size", tp_size)
+    stages = [_stage(index, stage) for index, stage in enumerate(pp_stages)]
+    payload = {"scope": scope, "tp": tp_size, "stages": stages}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")

@@ -1,0 +1,227 @@
+"""A reader of one topology fills its caches from what a writer of another stored.
+
+Real `TransferEngine`s over a real `MemoryStore`, caches in numpy arrays: each writer rank
+(stage, TP rank) saves its objects as a writer does; the reader plans its reads
+(`rank_reads`), loads through `WriterReads`' layouts, and must then hold exactly its own
+share of the model's KV (its layers, its heads), byte for byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import groups
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.integration.config import WriterTopology
+from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
+from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.metadata import BlockRef
+from hybridkv.integration.topologies import WriterReads, rank_reads, refuse_unreadable
+from hybridkv.integration.vllm_facts import writer_stages
+from hybridkv.transport import (
+    BlockTransfer,
+    CacheEntry,
+    GroupLayout,
+    MemoryStore,
+    PipelineOptions,
+    TransferEngine,
+)
+
+LAYERS = 4
+HEADS = 4
+HEAD_SIZE = 64
+HEAD_BYTES = 2 * 32 * HEAD_SIZE * 4  # K and V of 32 tokens, float32
+NUM_BLOCKS = 3
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+HASHES = [bytes([i + 1]) * 4 for i in range(NUM_BLOCKS)]
+
+
+def _plan(specs: Any, tp: int, stages: list[tuple[int, int]]) -> KVPlan:
+    import torch
+
+    spec = specs.FullAttentionSpec(
+        block_size=32, num_kv_heads=HEADS // tp, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    config = groups(specs, (NAMES, spec))
+    return plan_groups(config, [0], ModelShape(tp, HEADS), "ns", stages, num_layers=LAYERS)
+
+
+class Rank:
+    """One rank's caches (its stage's layers, its heads) and layout."""
+
+    def __init__(self, plan: KVPlan, stage: tuple[int, int], tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        heads = plan.groups[0].heads
+        per_rank = HEADS // plan.tp_size
+        self.head_start = heads.head_of(tp_rank) * per_rank
+        self.page = HEAD_BYTES * per_rank
+        self.caches = {
+            layer: np.zeros((NUM_BLOCKS, self.page), dtype=np.uint8) for layer in range(*stage)
+        }
+        self.layout = GroupLayout(
+            0,
+            [
+                CacheEntry(layer, NAMES[layer], cache.ctypes.data, self.page, self.page, NUM_BLOCKS)
+                for layer, cache in self.caches.items()
+            ],
+        )
+
+    def fill_from(self, truth: dict[int, np.ndarray]) -> None:
+        """The model's KV of this rank's layers and heads (heads outermost in a page)."""
+        for layer, cache in self.caches.items():
+            start = self.head_start * HEAD_BYTES
+            cache[:] = truth[layer][:, start : start + self.page]
+
+
+def _truth() -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(7)
+    shape = (NUM_BLOCKS, HEAD_BYTES * HEADS)
+    return {layer: rng.integers(0, 256, shape, dtype=np.uint8) for layer in range(LAYERS)}
+
+
+def _write(store: MemoryStore, plan: KVPlan, stages: list[tuple[int, int]]) -> None:
+    truth = _truth()
+    for stage, span in enumerate(stages or [(0, LAYERS)]):
+        keys = KeySpace(plan, "m", "ns", stage)
+        heads = plan.groups[0].heads
+        for tp_rank in range(plan.tp_size):
+            if tp_rank % heads.replicas:
+                continue  # its head's objects are another rank's to write
+            rank = Rank(plan, span, tp_rank)
+            rank.fill_from(truth)
+            engine = TransferEngine(store, [rank.layout], PipelineOptions(granularity="staged"))
+            try:
+                head = heads.head_of(tp_rank)
+                saves = [
+                    BlockTransfer(keys.keys(0, [h], [head])[0], 0, block, "w", block)
+                    for block, h in enumerate(HASHES)
+                ]
+                result = engine.save(saves).wait()
+                assert not result.failed_keys
+            finally:
+                engine.close()
+
+
+@pytest.mark.parametrize(
+    ("writer_tp", "writer_stages_", "reader_tp"),
+    [
+        (1, [(0, 2), (2, 4)], 1),  # two stages into one
+        (1, [(0, 1), (1, 4)], 1),  # uneven stages into one
+        (2, [], 1),  # two TP ranks' heads into one rank's page
+        (2, [(0, 3), (3, 4)], 1),  # both at once
+        (4, [], 2),  # four heads' objects, two per reader rank
+    ],
+)
+def test_a_reader_rank_holds_its_share_of_what_another_topology_wrote(
+    vllm_specs: Any, writer_tp: int, writer_stages_: list[tuple[int, int]], reader_tp: int
+) -> None:
+    store = MemoryStore()
+    writer = _plan(vllm_specs, writer_tp, writer_stages_)
+    reader = _plan(vllm_specs, reader_tp, [])
+    refuse_unreadable(reader, writer, "HNC")
+    _write(store, writer, writer_stages_)
+    keys = [KeySpace(writer, "m", "ns", s) for s in range(writer.pp_size)]
+    truth = _truth()
+    for tp_rank in range(reader_tp):
+        rank = Rank(reader, (0, LAYERS), tp_rank)
+        reads = rank_reads(
+            reader,
+            writer,
+            writer_stages_,
+            (0, LAYERS),
+            0,
+            tp_rank,
+            [rank.layout],
+            dict(enumerate(NAMES)),
+            LAYERS,
+        )
+        planned = WriterReads(keys, [rank.layout], reads)
+        engine = TransferEngine(
+            store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
+        )
+        try:
+            loads = [
+                transfer
+                for block, h in enumerate(HASHES)
+                for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
+            ]
+            assert len(loads) == NUM_BLOCKS * max(1, writer.pp_size) * writer_tp // reader_tp
+            result = engine.load(loads).wait()
+        finally:
+            engine.close()
+        assert not any(result.failed_blocks.values())
+        expected = Rank(reader, (0, LAYERS), tp_rank)
+        expected.fill_from(truth)
+        for layer in range(LAYERS):
+            assert np.array_equal(rank.caches[layer], expected.caches[layer]), layer
+
+
+def test_a_missing_writer_object_fails_the_block_it_feeds(vllm_specs: Any) -> None:
+    """A block reads both stages' objects: one of them absent fails that block only."""
+    store = MemoryStore()
+    stages = [(0, 2), (2, 4)]
+    writer = _plan(vllm_specs, 1, stages)
+    reader = _plan(vllm_specs, 1, [])
+    _write(store, writer, stages)
+    keys = [KeySpace(writer, "m", "ns", s) for s in range(2)]
+    store.batch_remove([keys[1].keys(0, [HASHES[1]], [0])[0]], force=True)
+    rank = Rank(reader, (0, LAYERS), 0)
+    reads = rank_reads(
+        reader, writer, stages, (0, LAYERS), 0, 0, [rank.layout], dict(enumerate(NAMES)), LAYERS
+    )
+    planned = WriterReads(keys, [rank.layout], reads)
+    engine = TransferEngine(
+        store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
+    )
+    try:
+        loads = [
+            transfer
+            for block, h in enumerate(HASHES)
+            for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
+        ]
+        result = engine.load(loads).wait()
+    finally:
+        engine.close()
+    failed = {block for blocks in result.failed_blocks.values() for block in blocks}
+    assert failed == {1}
+
+
+def test_a_reader_rank_needing_part_of_an_object_is_refused_by_name(vllm_specs: Any) -> None:
+    writer = _plan(vllm_specs, 1, [])
+    reader = _plan(vllm_specs, 2, [])
+    rank = Rank(reader, (0, LAYERS), 0)
+    reads = rank_reads(
+        reader, writer, [], (0, LAYERS), 0, 0, [rank.layout], dict(enumerate(NAMES)), LAYERS
+    )
+    with pytest.raises(ValueError, match="reads part of the writer's object"):
+        WriterReads([KeySpace(writer, "m", "ns")], [rank.layout], reads)
+
+
+def test_another_tp_size_with_heads_inside_each_token_is_refused(vllm_specs: Any) -> None:
+    with pytest.raises(ValueError, match=r"heads inside each token \(NHC\)"):
+        refuse_unreadable(_plan(vllm_specs, 1, []), _plan(vllm_specs, 2, []), "NHC")
+    refuse_unreadable(_plan(vllm_specs, 1, []), _plan(vllm_specs, 1, [(0, 2), (2, 4)]), "NHC")
+
+
+@given(st.integers(1, 40), st.integers(1, 6))
+def test_writer_stages_cut_as_vllm_does(layers: int, stages: int) -> None:
+    """vLLM's get_pp_indices without VLLM_PP_LAYER_PARTITION is the oracle."""
+    import vllm.envs as envs
+    from vllm.distributed.utils import get_pp_indices
+
+    if stages > layers:
+        return
+    assert envs.VLLM_PP_LAYER_PARTITION is None
+    expected = [get_pp_indices(layers, rank, stages) for rank in range(stages)]
+    got = writer_stages(layers, WriterTopology(None, stages))
+    assert got == ([] if stages == 1 else expected)
+
+
+def test_writer_stages_follow_the_partition_and_refuse_a_wrong_sum() -> None:
+    assert writer_stages(8, WriterTopology(None, 2, (3, 5))) == [(0, 3), (3, 8)]
+    with pytest.raises(ValueError, match="sums to 9 layers; the model has 8"):
+        writer_stages(8, WriterTopology(None, 2, (4, 5)))
