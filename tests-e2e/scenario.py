@@ -195,6 +195,14 @@ class Surgeon:
             raise AssertionError(f"reading {key!r} ({size} B) failed: {status}")
         return buffer[:size].tobytes()
 
+    def put(self, key: str, data: bytes) -> None:
+        """Store `data` under `key` (a key that exists keeps its old value: remove it first)."""
+        buffer = self._scratch(len(data))
+        buffer[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        (status,) = self._store.batch_put_whole([key], [[buffer.ctypes.data]], [[len(data)]])
+        if status is not Status.OK:
+            raise AssertionError(f"putting {key!r} failed: {status}")
+
     def remove(self, keys: list[str]) -> None:
         statuses = self._store.batch_remove(keys, force=True)
         bad = {k: s for k, s in zip(keys, statuses, strict=True) if s is not Status.OK}

@@ -140,10 +140,14 @@ def test_the_prefill_keys_name_one_writer_topology() -> None:
     """vLLM-Ascend's prefill stage keys and vLLM's prefill TP size keys, as they mean
     there; none set: no writer topology besides the reader's own."""
     assert parse_extra_config({}).writer_topology() is None
-    assert parse_extra_config({"prefill_pp_size": 1}).writer_topology() is None
+    # Set to 1, it names a one-stage writer (which a staged reader reads).
+    assert parse_extra_config({"prefill_pp_size": 1}).writer_topology() == WriterTopology(None, 1)
     uneven = parse_extra_config({"prefill_pp_size": 2, "prefill_pp_layer_partition": "3,5"})
     assert uneven.writer_topology() == WriterTopology(None, 2, (3, 5))
-    assert parse_extra_config({"store_tp_size": 2}).writer_topology() == WriterTopology(2, 1)
+    partition = parse_extra_config({"prefill_pp_layer_partition": "3,5"})
+    assert partition.writer_topology() == WriterTopology(None, 2, (3, 5))
+    # Unset keys are the reader's own: its stages here.
+    assert parse_extra_config({"store_tp_size": 2}).writer_topology() == WriterTopology(2, None)
     both = parse_extra_config({"prefill_tp_sizes": [2, 2], "prefill_pp_size": 2})
     assert both.writer_topology() == WriterTopology(2, 2)
 

@@ -12,14 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import groups
+from conftest import attention, groups, request, scheduler_output
 from hypothesis import given
 from hypothesis import strategies as st
+from scheduler_rig import TOKENS, Pool, put_blocks
 
-from hybridkv.integration.config import WriterTopology
+from hybridkv.integration.config import ConnectorConfig
 from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
-from hybridkv.integration.keying import KeySpace
+from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef
+from hybridkv.integration.scheduler import SchedulerSide
 from hybridkv.integration.topologies import WriterReads, rank_reads, refuse_unreadable
 from hybridkv.integration.vllm_facts import writer_stages
 from hybridkv.transport import (
@@ -107,57 +109,74 @@ def _write(store: MemoryStore, plan: KVPlan, stages: list[tuple[int, int]]) -> N
 
 
 @pytest.mark.parametrize(
-    ("writer_tp", "writer_stages_", "reader_tp"),
+    ("writer_tp", "writer_cut", "reader_tp", "reader_cut"),
     [
-        (1, [(0, 2), (2, 4)], 1),  # two stages into one
-        (1, [(0, 1), (1, 4)], 1),  # uneven stages into one
-        (2, [], 1),  # two TP ranks' heads into one rank's page
-        (2, [(0, 3), (3, 4)], 1),  # both at once
-        (4, [], 2),  # four heads' objects, two per reader rank
+        (1, [(0, 2), (2, 4)], 1, []),  # two stages into one
+        (1, [(0, 1), (1, 4)], 1, []),  # uneven stages into one
+        (2, [], 1, []),  # two TP ranks' heads into one rank's page
+        (2, [(0, 3), (3, 4)], 1, []),  # both at once
+        (4, [], 2, []),  # four heads' objects, two per reader rank
+        (1, [], 1, [(0, 2), (2, 4)]),  # each stage reads part of one object
+        (1, [(0, 1), (1, 4)], 1, [(0, 2), (2, 4)]),  # uneven stages into even ones
+        (1, [], 2, []),  # each rank reads its heads' part of one object
+        (1, [(0, 3), (3, 4)], 2, [(0, 1), (1, 4)]),  # every cut differs
     ],
 )
 def test_a_reader_rank_holds_its_share_of_what_another_topology_wrote(
-    vllm_specs: Any, writer_tp: int, writer_stages_: list[tuple[int, int]], reader_tp: int
+    vllm_specs: Any,
+    writer_tp: int,
+    writer_cut: list[tuple[int, int]],
+    reader_tp: int,
+    reader_cut: list[tuple[int, int]],
 ) -> None:
     store = MemoryStore()
-    writer = _plan(vllm_specs, writer_tp, writer_stages_)
-    reader = _plan(vllm_specs, reader_tp, [])
+    writer = _plan(vllm_specs, writer_tp, writer_cut)
+    reader = _plan(vllm_specs, reader_tp, reader_cut)
     refuse_unreadable(reader, writer, "HNC")
-    _write(store, writer, writer_stages_)
+    _write(store, writer, writer_cut)
     keys = [KeySpace(writer, "m", "ns", s) for s in range(writer.pp_size)]
     truth = _truth()
-    for tp_rank in range(reader_tp):
-        rank = Rank(reader, (0, LAYERS), tp_rank)
-        reads = rank_reads(
-            reader,
-            writer,
-            writer_stages_,
-            (0, LAYERS),
-            0,
-            tp_rank,
-            [rank.layout],
-            dict(enumerate(NAMES)),
-            LAYERS,
-        )
-        planned = WriterReads(keys, [rank.layout], reads)
-        engine = TransferEngine(
-            store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
-        )
-        try:
-            loads = [
-                transfer
-                for block, h in enumerate(HASHES)
-                for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
-            ]
-            assert len(loads) == NUM_BLOCKS * max(1, writer.pp_size) * writer_tp // reader_tp
-            result = engine.load(loads).wait()
-        finally:
-            engine.close()
-        assert not any(result.failed_blocks.values())
-        expected = Rank(reader, (0, LAYERS), tp_rank)
-        expected.fill_from(truth)
-        for layer in range(LAYERS):
-            assert np.array_equal(rank.caches[layer], expected.caches[layer]), layer
+    for pp_rank, stage in enumerate(reader_cut or [(0, LAYERS)]):
+        for tp_rank in range(reader_tp):
+            rank = Rank(reader, stage, tp_rank)
+            _load(rank, store, keys, reader, writer, writer_cut, stage, pp_rank)
+            expected = Rank(reader, stage, tp_rank)
+            expected.fill_from(truth)
+            for layer in range(*stage):
+                assert np.array_equal(rank.caches[layer], expected.caches[layer]), layer
+
+
+def _load(
+    rank: Rank,
+    store: MemoryStore,
+    keys: list[KeySpace],
+    reader: KVPlan,
+    writer: KVPlan,
+    writer_cut: list[tuple[int, int]],
+    stage: tuple[int, int],
+    pp_rank: int,
+) -> set[int]:
+    """Load every block into `rank` through its planned reads; the blocks that failed."""
+    names = {layer: NAMES[layer] for layer in range(*stage)}
+    reads = rank_reads(
+        reader, writer, writer_cut, stage, pp_rank, rank.tp_rank, [rank.layout], names, LAYERS
+    )
+    planned = WriterReads(keys, [rank.layout], reads)
+    engine = TransferEngine(
+        store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
+    )
+    try:
+        loads = [
+            transfer
+            for block, h in enumerate(HASHES)
+            for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
+        ]
+        assert len(loads) == NUM_BLOCKS * len(reads)
+        result = engine.load(loads).wait()
+    finally:
+        engine.close()
+    assert set(result.failed_blocks) <= {0}  # reported as the plan group's blocks
+    return {block for blocks in result.failed_blocks.values() for block in blocks}
 
 
 def test_a_missing_writer_object_fails_the_block_it_feeds(vllm_specs: Any) -> None:
@@ -170,35 +189,7 @@ def test_a_missing_writer_object_fails_the_block_it_feeds(vllm_specs: Any) -> No
     keys = [KeySpace(writer, "m", "ns", s) for s in range(2)]
     store.batch_remove([keys[1].keys(0, [HASHES[1]], [0])[0]], force=True)
     rank = Rank(reader, (0, LAYERS), 0)
-    reads = rank_reads(
-        reader, writer, stages, (0, LAYERS), 0, 0, [rank.layout], dict(enumerate(NAMES)), LAYERS
-    )
-    planned = WriterReads(keys, [rank.layout], reads)
-    engine = TransferEngine(
-        store, [rank.layout, *planned.layouts], PipelineOptions(granularity="staged")
-    )
-    try:
-        loads = [
-            transfer
-            for block, h in enumerate(HASHES)
-            for transfer in planned.transfers(BlockRef(0, block, block, h), "r", block)
-        ]
-        result = engine.load(loads).wait()
-    finally:
-        engine.close()
-    failed = {block for blocks in result.failed_blocks.values() for block in blocks}
-    assert failed == {1}
-
-
-def test_a_reader_rank_needing_part_of_an_object_is_refused_by_name(vllm_specs: Any) -> None:
-    writer = _plan(vllm_specs, 1, [])
-    reader = _plan(vllm_specs, 2, [])
-    rank = Rank(reader, (0, LAYERS), 0)
-    reads = rank_reads(
-        reader, writer, [], (0, LAYERS), 0, 0, [rank.layout], dict(enumerate(NAMES)), LAYERS
-    )
-    with pytest.raises(ValueError, match="reads part of the writer's object"):
-        WriterReads([KeySpace(writer, "m", "ns")], [rank.layout], reads)
+    assert _load(rank, store, keys, reader, writer, stages, (0, LAYERS), 0) == {1}
 
 
 def test_another_tp_size_with_heads_inside_each_token_is_refused(vllm_specs: Any) -> None:
@@ -217,11 +208,60 @@ def test_writer_stages_cut_as_vllm_does(layers: int, stages: int) -> None:
         return
     assert envs.VLLM_PP_LAYER_PARTITION is None
     expected = [get_pp_indices(layers, rank, stages) for rank in range(stages)]
-    got = writer_stages(layers, WriterTopology(None, stages))
+    got = writer_stages(layers, stages)
     assert got == ([] if stages == 1 else expected)
 
 
 def test_writer_stages_follow_the_partition_and_refuse_a_wrong_sum() -> None:
-    assert writer_stages(8, WriterTopology(None, 2, (3, 5))) == [(0, 3), (3, 8)]
+    assert writer_stages(8, 2, (3, 5)) == [(0, 3), (3, 8)]
     with pytest.raises(ValueError, match="sums to 9 layers; the model has 8"):
-        writer_stages(8, WriterTopology(None, 2, (4, 5)))
+        writer_stages(8, 2, (4, 5))
+
+
+def _sides(vllm_specs: Any) -> tuple[SchedulerSide, KeySpace, Pool]:
+    """A one-stage reader of a two-stage writer of the same model, over one pool."""
+    kinds = groups(vllm_specs, (["l.0", "l.1"], attention(vllm_specs)))
+    shape = ModelShape(1, 2)
+    own = plan_groups(kinds, [0], shape, num_layers=2)
+    writer = plan_groups(kinds, [0], shape, pp_stages=[(0, 1), (1, 2)], num_layers=2)
+    pool = Pool()
+    writer_keys = KeySpace(writer, "tiny")
+    side = SchedulerSide(
+        KeySpace(own, "tiny"), ConnectorConfig(), pool.query, writer_keys=writer_keys
+    )
+    return side, writer_keys, pool
+
+
+def _loaded_topology(side: SchedulerSide, expected_hit: int) -> int:
+    req = request("r", TOKENS)
+    assert side.num_new_matched_tokens(req, 0) == (expected_hit, False)
+    table = ([1, 2, 3, 4, 5, 6, 7],)
+    side.after_alloc(req, table, expected_hit)
+    meta = side.build_meta(scheduler_output(new=[("r", table, 0, 200)], tables={"r": table}))
+    (transfers,) = [r for r in meta.requests if r.loads]
+    assert len(transfers.loads) == expected_hit // 32
+    return transfers.topology
+
+
+def test_the_longer_hit_of_own_and_writer_topology_is_loaded(vllm_specs: Any) -> None:
+    side, writer_keys, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 64)  # own keys: two blocks
+    put_blocks(side, pool, TOKENS, [0], 128, keys=writer_keys)  # both stages: four
+    assert _loaded_topology(side, 128) == 1
+
+
+def test_own_topology_wins_a_tie(vllm_specs: Any) -> None:
+    side, writer_keys, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 96)
+    put_blocks(side, pool, TOKENS, [0], 96, keys=writer_keys)
+    assert _loaded_topology(side, 96) == 0
+
+
+def test_a_writer_block_needs_every_stage_s_object(vllm_specs: Any) -> None:
+    side, writer_keys, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 128, keys=writer_keys)
+    hashes = RequestHashes(side.plan, "", None)
+    hashes.cover(TOKENS, len(TOKENS))
+    third = hashes.for_group(32)[2]
+    pool.keys.discard(KeySpace(writer_keys.plan, "tiny", pp_rank=1).keys(0, [third], [0])[0])
+    assert _loaded_topology(side, 64) == 1

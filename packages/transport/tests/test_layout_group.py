@@ -172,3 +172,40 @@ def test_merged_pieces_put_every_object_byte_where_its_entry_keeps_it(
     )
     assert len(whole.sizes) == 1 + breaks
     assert layout.contiguous == (breaks == 0)
+
+
+def test_a_partial_layout_places_its_pieces_at_their_offsets_in_the_object() -> None:
+    k, v = entry(0, "k", 64, base=4096), entry(0, "v", 64, base=4096 + 64)
+    layout = GroupLayout.partial(
+        9, 2, 256, [(v.piece(0, 32), 160), (k.piece(0, 32), 32), (entry(1, "s", 16), 0)]
+    )
+    assert (layout.group_id, layout.block_group, layout.read_only) == (9, 2, True)
+    assert layout.object_size == 256
+    assert [layout.offset_of(i) for i in range(3)] == [32, 160, 0]
+    assert layout.layers == (0, 1)
+    # k's and v's pieces adjoin in memory but not in the object: two ranges, not one.
+    ranges = layout.layer_ranges(0)
+    assert ranges is not None
+    assert (ranges.offsets, ranges.sizes) == ([32, 160], [32, 32])
+    assert not layout.covers_object
+    assert not layout.contiguous
+
+
+def test_a_partial_layout_of_the_whole_object_in_order_moves_in_place() -> None:
+    k, v = entry(0, "k", 64, base=4096), entry(0, "v", 64, base=4096 + 64)
+    layout = GroupLayout.partial(9, 2, 128, [(k, 0), (v, 64)])
+    assert layout.covers_object
+    assert layout.contiguous
+    assert GroupLayout(1, [k, v]).covers_object
+
+
+def test_bad_partial_layouts_are_refused_with_the_reason() -> None:
+    k = entry(0, "k", 64)
+    with pytest.raises(ValueError, match=r"piece \[48, 80\) is outside its 64 B blocks"):
+        k.piece(48, 32)
+    with pytest.raises(ValueError, match=r"at offset 100 \(32 B\) is outside the 128 B object"):
+        GroupLayout.partial(9, 2, 128, [(k.piece(0, 32), 100)])
+    with pytest.raises(ValueError, match="two pieces overlap in cache 'k' of layer 0"):
+        GroupLayout.partial(9, 2, 128, [(k.piece(0, 32), 0), (k.piece(16, 32), 64)])
+    with pytest.raises(ValueError, match="partial layout 9 has no pieces"):
+        GroupLayout.partial(9, 2, 128, [])

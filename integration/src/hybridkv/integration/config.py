@@ -139,7 +139,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # (pipeline stages, layer counts per stage as VLLM_PP_LAYER_PARTITION writes them)
     # and vLLM's MooncakeStoreConnector (the prefill's TP size) name it; see
     # `writer_topology`. Unset: the reader's own values.
-    prefill_pp_size: Positive = 1
+    prefill_pp_size: Positive | None = None
     prefill_pp_layer_partition: str | None = None
     prefill_tp_sizes: list[Positive] | None = None
     store_tp_size: Positive | None = None
@@ -208,9 +208,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("prefill_tp_sizes must name a TP size (or leave it unset)")
         tp_size = self.store_tp_size or (sizes[0] if sizes else None)
         partition = _layer_partition(self.prefill_pp_layer_partition, self.prefill_pp_size)
-        if tp_size is None and self.prefill_pp_size == 1 and partition is None:
+        pp_size = self.prefill_pp_size or (len(partition) if partition else None)
+        if tp_size is None and pp_size is None:
             return None
-        return WriterTopology(tp_size, self.prefill_pp_size, partition)
+        return WriterTopology(tp_size, pp_size, partition)
 
     def lookup_port(self, data_parallel_rank: int = 0) -> int:
         """The fixed lookup port of a data-parallel engine (0: none, a Unix socket):
@@ -241,15 +242,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class WriterTopology(msgspec.Struct, frozen=True):
-    """A writer's cut as the reader's config names it: `tp_size` None is the reader's
-    own; `partition`, the layers of each stage (None: vLLM's even split)."""
+    """A writer's cut as the reader's config names it: `tp_size`, `pp_size` None are the
+    reader's own; `partition`, the layers of each stage (None: vLLM's even split)."""
 
     tp_size: int | None
-    pp_size: int
+    pp_size: int | None
     partition: tuple[int, ...] | None = None
 
 
-def _layer_partition(text: str | None, pp_size: int) -> tuple[int, ...] | None:
+def _layer_partition(text: str | None, pp_size: int | None) -> tuple[int, ...] | None:
     """`prefill_pp_layer_partition` ("3,5", as VLLM_PP_LAYER_PARTITION) as layer counts."""
     if text is None:
         return None
@@ -262,7 +263,7 @@ def _layer_partition(text: str | None, pp_size: int) -> tuple[int, ...] | None:
             f"prefill_pp_layer_partition {text!r} must be positive layer counts separated "
             'by commas, one per stage (e.g. "3,5")'
         )
-    if len(counts) != pp_size:
+    if pp_size is not None and len(counts) != pp_size:
         raise ValueError(
             f"prefill_pp_layer_partition {text!r} has {len(counts)} stages, "
             f"prefill_pp_size is {pp_size}"

@@ -21,7 +21,7 @@ from hybridkv.integration.groups import GroupPlan, KVPlan
 from hybridkv.integration.keying import KeySpace
 from hybridkv.integration.metadata import BlockRef
 from hybridkv.keys import Entry, ObjectMap, Source, Span, plan_reads
-from hybridkv.transport import BlockTransfer, CacheEntry, GroupLayout
+from hybridkv.transport import BlockTransfer, GroupLayout
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class WriterReads:
         for group, source, size in reads:
             ident = next_id
             next_id += 1
-            self.layouts.append(_piece_layout(ident, reader_layouts[group], source, size))
+            self.layouts.append(_piece_layout(ident, group, reader_layouts[group], source, size))
             self._sources.setdefault(group, []).append((ident, source))
             self._plan_group[ident] = group
 
@@ -206,35 +206,24 @@ class WriterReads:
         return next(i for i, g in enumerate(plan.groups) if g.vllm_group_id == vllm_group_id)
 
 
-def _piece_layout(ident: int, reader: GroupLayout, source: Source, size: int) -> GroupLayout:
-    """A layout whose object is the writer object `source` names: its pieces, in order,
-    at their places in this rank's caches. Only a writer object read whole (every byte
-    lands somewhere here) can be one; a part of one needs ranged reads."""
-    end = 0
-    entries = []
-    for order, piece in enumerate(source.pieces):
-        if piece.src_offset != end:
-            break
-        target = reader.entries[piece.dst_entry]
-        entries.append(
-            CacheEntry(
-                layer=order,
-                name=f"{target.name}+{piece.dst_offset}",
-                base_ptr=target.base_ptr + piece.dst_offset,
-                block_bytes=piece.length,
-                block_stride=target.block_stride,
-                num_blocks=target.num_blocks,
+def _piece_layout(
+    ident: int, group: int, reader: GroupLayout, source: Source, size: int
+) -> GroupLayout:
+    """A read-only layout of the writer object `source` names (`size` bytes): its pieces
+    at their places in this rank's caches of plan group `group`, whose blocks fail when
+    it fails. A rank that reads part of the object reads only those pieces."""
+    return GroupLayout.partial(
+        ident,
+        group,
+        size,
+        [
+            (
+                reader.entries[piece.dst_entry].piece(piece.dst_offset, piece.length),
+                piece.src_offset,
             )
-        )
-        end += piece.length
-    if end != size:
-        raise ValueError(
-            f"this rank reads part of the writer's object (stage {source.stage}, group "
-            f"{source.group}, shard {source.shard}): reading part of an object is not "
-            "built yet; readers whose ranks each read whole writer objects are (a reader "
-            "with fewer stages or a smaller TP size than the writer)"
-        )
-    return GroupLayout(ident, entries)
+            for piece in source.pieces
+        ],
+    )
 
 
 def rank_reads(

@@ -108,7 +108,10 @@ def writer_plan(
     """The plan and stage ranges of the writer topology the config names (None: it is the
     reader's own); refused with the reason where this reader cannot read it."""
     layers = vllm_config.model_config.get_total_num_hidden_layers()
-    stages = writer_stages(layers, topology)
+    if topology.pp_size is None:  # the reader's own stages
+        stages = pipeline_stages(vllm_config)
+    else:
+        stages = writer_stages(layers, topology.pp_size, topology.partition)
     tp_size = topology.tp_size or reader.tp_size
     if tp_size == reader.tp_size and stages == pipeline_stages(vllm_config):
         logger.info("hybridkv: the configured writer topology is this instance's own")
@@ -118,21 +121,23 @@ def writer_plan(
     return writer, stages
 
 
-def writer_stages(num_layers: int, topology: WriterTopology) -> list[tuple[int, int]]:
+def writer_stages(
+    num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None
+) -> list[tuple[int, int]]:
     """A writer's stage ranges as vLLM's `get_pp_indices` cuts them (none: one stage):
-    by its partition (VLLM_PP_LAYER_PARTITION's meaning), else evenly with the remainder
-    on the stages before the last. Never from this process's own environment."""
-    if topology.pp_size == 1:
+    by its `partition` (VLLM_PP_LAYER_PARTITION's meaning), else evenly with the
+    remainder on the stages before the last. Never from this process's own environment."""
+    if pp_size == 1:
         return []
-    counts = list(topology.partition or ())
+    counts = list(partition or ())
     if counts and sum(counts) != num_layers:
         raise ValueError(
             f"prefill_pp_layer_partition {','.join(map(str, counts))} sums to "
             f"{sum(counts)} layers; the model has {num_layers}"
         )
     if not counts:
-        counts = [num_layers // topology.pp_size] * topology.pp_size
-        for stage in range(2, num_layers % topology.pp_size + 2):
+        counts = [num_layers // pp_size] * pp_size
+        for stage in range(2, num_layers % pp_size + 2):
             counts[-stage] += 1
     starts = [sum(counts[:stage]) for stage in range(len(counts))]
     return [(start, start + count) for start, count in zip(starts, counts, strict=True)]

@@ -191,7 +191,9 @@ class WorkerSide:
         lost = {
             (group, block) for group, blocks in result.failed_blocks.items() for block in blocks
         }
-        self._leave_unsaved(load for load in loads if (load.group, load.local_block) in lost)
+        self._leave_unsaved(
+            load for load in loads if (self._plan_group(load.group), load.local_block) in lost
+        )
 
     def barrier(self) -> None:
         """Wait for every save issued so far: their source blocks may be reused next."""

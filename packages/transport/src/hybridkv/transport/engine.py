@@ -39,7 +39,7 @@ from hybridkv.transport.pipeline import (
     Worker,
 )
 from hybridkv.transport.reads import RangedReads, Reads, StagedReads, WholeReads
-from hybridkv.transport.staging import StagingPool
+from hybridkv.transport.staging import ALIGNMENT, StagingPool
 from hybridkv.transport.stale_put_sessions import StaleSessions
 from hybridkv.transport.store import Store
 from hybridkv.transport.store_calls import ClientSessions, Transfers
@@ -97,6 +97,7 @@ class TransferEngine:
             if layout.group_id in self.layouts:
                 raise ValueError(f"group {layout.group_id} has two layouts")
             self.layouts[layout.group_id] = layout
+        self._refuse_unstageable_partial()
         self._registered: list[int] = []
         self._register_buffers()
         self.backlog = Backlog(self.options.backlog)
@@ -123,6 +124,7 @@ class TransferEngine:
         """
         with self._lock:
             self._check(transfers)
+            self._refuse_read_only(transfers)
             claim, outcome = self._claim(transfers)
             writes = self._session(self._kinds.whole_writes, claim.write, outcome)
 
@@ -149,7 +151,9 @@ class TransferEngine:
         with self._lock:
             self._check(transfers)
             outcome = Outcome()
-            reads = self._session(self._kinds.whole_reads, transfers, outcome)
+            reads = self._session(
+                self._reads_kind(self._kinds.whole_reads, transfers), transfers, outcome
+            )
             reads.ready = ready
 
             def work() -> None:
@@ -180,7 +184,8 @@ class TransferEngine:
         with self._lock:  # a step is listed in the order of its claims (see `finish`)
             self._check(loads)
             self._check(saves)
-            reads = self._session(self._kinds.step_reads, loads, Outcome())
+            self._refuse_read_only(saves)
+            reads = self._session(self._reads_kind(self._kinds.step_reads, loads), loads, Outcome())
             claim, outcome = self._claim(saves)
             writes = self._session(self._kinds.step_writes, claim.write, outcome)
             self._tracker.begin("load", _requests(loads))
@@ -305,6 +310,34 @@ class TransferEngine:
             by_group.setdefault(transfer.group, []).append(transfer.local_block)
         for group, blocks in by_group.items():
             self.layouts[group].check_blocks(blocks)
+
+    def _refuse_read_only(self, saves: Sequence[BlockTransfer]) -> None:
+        for transfer in saves:
+            if self.layouts[transfer.group].read_only:
+                raise ValueError(
+                    f"save of {transfer.key!r} names layout {transfer.group}, a partial "
+                    f"layout of another topology's objects: it only reads"
+                )
+
+    def _reads_kind(self, kind: type[Reads], loads: Sequence[BlockTransfer]) -> type[Reads]:
+        """`kind`, or ranged reads where it would write a partial layout's objects whole
+        into pieces that do not cover them."""
+        if kind.reads_partial or all(self.layouts[t.group].covers_object for t in loads):
+            return kind
+        return RangedReads
+
+    def _refuse_unstageable_partial(self) -> None:
+        """A staged engine reads partial objects only through staging: each must fit."""
+        if self.staging is None:
+            return
+        room = self.staging.capacity // ALIGNMENT * ALIGNMENT
+        for layout in self.layouts.values():
+            if not layout.covers_object and layout.object_size > room:
+                raise ValueError(
+                    f"partial layout {layout.group_id}: its {layout.object_size} B objects "
+                    f"do not fit staging_bytes {self.staging.capacity}; staged reads of "
+                    f"partial objects go through staging"
+                )
 
     def _claim(self, transfers: Sequence[BlockTransfer]) -> tuple[Claim, Outcome]:
         """Claim saves, counted as the claim accepts them: the write a rider waits on may

@@ -6,11 +6,17 @@ prefix sum of the entries before it. Sizes are each entry's real per-block byte 
 never layers x an average, so groups whose layers hold caches of different shapes (MLA
 latent + indexer keys, window + state) stay byte-exact. Whole and ranged transfers use the
 same offsets, so either mode reads what the other wrote.
+
+A reader whose instance cuts the model differently from the writer's (another TP size or
+other pipeline stages) fills a block from parts of several writer objects: one *partial*
+layout per writer object, whose pieces (sub-ranges of local cache entries, each at its
+offset in that object) need not cover the object. Partial layouts only read.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -55,6 +61,16 @@ class CacheEntry(msgspec.Struct, frozen=True):
                 f"got {self.num_blocks}"
             )
 
+    def piece(self, offset: int, length: int) -> CacheEntry:
+        """Bytes [offset, offset + length) of each block of this cache, as an entry of its
+        own (a partial layout's piece)."""
+        if offset < 0 or length <= 0 or offset + length > self.block_bytes:
+            raise ValueError(
+                f"cache {self.name!r} of layer {self.layer}: piece [{offset}, "
+                f"{offset + length}) is outside its {self.block_bytes} B blocks"
+            )
+        return msgspec.structs.replace(self, base_ptr=self.base_ptr + offset, block_bytes=length)
+
     @property
     def region(self) -> tuple[int, int] | None:
         """(address, length) of the memory all blocks span, if `num_blocks` is known."""
@@ -67,7 +83,8 @@ class Ranges:
     """Per-block pieces of a run of entries; pointers are computed from local block ids.
 
     Entries that lie back to back in memory for every block (same stride, each starting
-    where the one before ends, as in vLLM's block-outermost layouts) are one piece: a
+    where the one before ends, as in vLLM's block-outermost layouts) and in the object
+    are one piece: a
     store call moves fewer, larger pieces, and an object whose entries all adjoin is
     moved in place as one piece.
     """
@@ -84,6 +101,7 @@ class Ranges:
                 self.sizes
                 and entry.block_stride == strides[-1]
                 and entry.base_ptr == bases[-1] + self.sizes[-1]
+                and offset == self.offsets[-1] + self.sizes[-1]
             ):
                 self.sizes[-1] += entry.block_bytes
                 continue
@@ -103,7 +121,12 @@ class Ranges:
 
 
 class GroupLayout:
-    """The object layout of one KV cache group; answers which bytes go where."""
+    """The object layout of one KV cache group; answers which bytes go where.
+
+    `group_id` names the layout among an engine's layouts (what `BlockTransfer.group`
+    says); `block_group` is the group whose local blocks it fills, under which failed
+    blocks are reported: the same group, except for partial layouts.
+    """
 
     def __init__(self, group_id: int, entries: Iterable[CacheEntry]) -> None:
         ordered = sorted(entries, key=lambda entry: (entry.layer, entry.name))
@@ -117,18 +140,67 @@ class GroupLayout:
                     f"{entry.layer}"
                 )
             seen.add((entry.layer, entry.name))
+        offsets = np.cumsum([0] + [entry.block_bytes for entry in ordered])
+        self._place(group_id, ordered, [int(offset) for offset in offsets])
+        self.block_group = group_id
+        self.read_only = False
+
+    @classmethod
+    def partial(
+        cls,
+        layout_id: int,
+        block_group: int,
+        object_size: int,
+        pieces: Iterable[tuple[CacheEntry, int]],
+    ) -> GroupLayout:
+        """A read-only layout of part of another topology's object of `object_size` bytes.
+
+        Each piece is a local sub-entry (a cache entry's `base_ptr` moved to where the
+        piece goes inside its block, `block_bytes` the piece's length, same stride) and
+        the piece's offset in the object. Pieces need not cover the object: reads move
+        only them. `layout_id` names the layout in the engine (one per writer object a
+        block needs, distinct from every other layout's); failures are reported as blocks
+        of `block_group`.
+        """
+        placed = sorted(pieces, key=lambda piece: (piece[0].layer, piece[1]))
+        if not placed:
+            raise ValueError(f"partial layout {layout_id} has no pieces")
+        for entry, offset in placed:
+            if offset < 0 or offset + entry.block_bytes > object_size:
+                raise ValueError(
+                    f"partial layout {layout_id}: piece of cache {entry.name!r} of layer "
+                    f"{entry.layer} at offset {offset} ({entry.block_bytes} B) is outside "
+                    f"the {object_size} B object"
+                )
+        _refuse_overlapping_destinations(layout_id, [entry for entry, _ in placed])
+        layout = cls.__new__(cls)
+        layout._place(
+            layout_id, [entry for entry, _ in placed], [*(o for _, o in placed), object_size]
+        )
+        layout.block_group = block_group
+        layout.read_only = True
+        return layout
+
+    def _place(self, group_id: int, ordered: list[CacheEntry], offsets: list[int]) -> None:
+        """Entries (ordered by layer) at `offsets` in the object; the last offset is
+        the object's size."""
         self.group_id = group_id
         self.entries: tuple[CacheEntry, ...] = tuple(ordered)
-        offsets = np.cumsum([0] + [entry.block_bytes for entry in ordered])
-        self._offsets: tuple[int, ...] = tuple(int(offset) for offset in offsets)
+        self._offsets: tuple[int, ...] = tuple(offsets)
         self.layers: tuple[int, ...] = tuple(sorted({entry.layer for entry in ordered}))
-        # Entries of one layer are adjacent in (layer, name) order: [start, stop) per layer.
+        # Entries of one layer are adjacent (ordered by layer): [start, stop) per layer.
         layer_of = [entry.layer for entry in ordered]
         self._span = {
             layer: (bisect.bisect_left(layer_of, layer), bisect.bisect_right(layer_of, layer))
             for layer in self.layers
         }
         self.whole = self._ranges(0, len(ordered))
+        # Whether the pieces are the whole object in order (always, unless partial): only
+        # then may a whole read write a block's object into them as it comes.
+        self.covers_object = (
+            self.whole.offsets == list(itertools.accumulate(self.whole.sizes[:-1], initial=0))
+            and self.whole.nbytes == offsets[-1]
+        )
         self._layer_ranges = {layer: self._ranges(*span) for layer, span in self._span.items()}
         limits = [entry.num_blocks for entry in ordered if entry.num_blocks is not None]
         self.num_blocks: int | None = min(limits) if limits else None
@@ -146,7 +218,7 @@ class GroupLayout:
     @property
     def contiguous(self) -> bool:
         """Each block's object is one run of local memory: it moves in place, never staged."""
-        return len(self.whole.sizes) == 1
+        return len(self.whole.sizes) == 1 and self.covers_object
 
     @property
     def last_layer(self) -> int:
@@ -188,3 +260,18 @@ class GroupLayout:
 
     def _ranges(self, start: int, stop: int) -> Ranges:
         return Ranges(self.entries[start:stop], self._offsets[start:stop])
+
+
+def _refuse_overlapping_destinations(layout_id: int, entries: Sequence[CacheEntry]) -> None:
+    """Two pieces of one cache entry writing the same bytes of a block: a wrong map."""
+    by_cache: dict[tuple[int, str], list[CacheEntry]] = {}
+    for entry in entries:
+        by_cache.setdefault((entry.layer, entry.name), []).append(entry)
+    for (layer, name), pieces in by_cache.items():
+        pieces.sort(key=lambda entry: entry.base_ptr)
+        for before, after in itertools.pairwise(pieces):
+            if before.base_ptr + before.block_bytes > after.base_ptr:
+                raise ValueError(
+                    f"partial layout {layout_id}: two pieces overlap in cache {name!r} "
+                    f"of layer {layer}"
+                )

@@ -4,7 +4,8 @@ Ranged get sessions pin the objects and read each layer's ranges when it is due 
 once when the master's lease ran out); whole reads get a group's objects in one
 multi-buffer call before its first layer; staged reads fetch whole objects into host
 staging slabs, wave by wave, and scatter them into the caches. A call that raises fails
-every block of the batch: none is used whose bytes are unknown.
+every block of the batch: none is used whose bytes are unknown. Partial layouts (parts of
+another topology's objects) are read as ranges or through staging, never whole in place.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Reads(Transfers, ABC):
     """
 
     ready: Event | None = None
+    # Whether this kind reads layouts that do not cover their objects (partial layouts)
+    # without writing outside their pieces.
+    reads_partial: bool = True
 
     @cached_property
     def layers(self) -> list[int]:
@@ -205,6 +209,8 @@ class RangedReads(Reads):
 class WholeReads(Reads):
     """One multi-buffer get per group, issued before the group's first layer is needed."""
 
+    reads_partial = False  # a whole get writes the object's bytes into the pieces in order
+
     def scheduled_layers(self) -> set[int]:
         return {batch.layout.first_layer for batch in self.batches.values()}
 
@@ -233,7 +239,11 @@ class StagedReads(WholeReads):
     """Whole objects fetched at the start, wave by wave: a wave's objects come into staging
     slabs part by part (one piece per key), each part scattered into the caches while the
     next is fetched, and the slabs then serve the next wave. Objects that find no room at
-    all are read straight into the caches, piece by piece."""
+    all are read straight into the caches, piece by piece, except those of partial
+    layouts: they fail (vLLM recomputes them), since a whole read would write bytes the
+    pieces do not want."""
+
+    reads_partial = True
 
     def start(self) -> None:
         batches = list(self.batches.values())
@@ -253,6 +263,7 @@ class StagedReads(WholeReads):
                     group = batch.layout.group_id
                     first[group] = max(first.get(group, 0), batch.staged_to)
                 self.unstage()
+            self._fail_unstaged_partial(batches)
             rest = self.whole_call(batches)  # the unstaged tails the last try left
             self._read(rest, "batch_get_whole", self._get_whole(rest))
         finally:
@@ -263,3 +274,24 @@ class StagedReads(WholeReads):
 
     def end(self) -> None:
         self.unstage()
+
+    def _fail_unstaged_partial(self, batches: Sequence[GroupBatch]) -> None:
+        """Fail the rows `whole_call` would read in place (those of the last try's
+        unstaged segments, or every live row of a batch never staged) where that would
+        write a partial layout's objects whole."""
+        unstaged = []
+        for batch in batches:
+            if batch.layout.covers_object:
+                continue
+            if not batch.segments:
+                unstaged += [(batch, int(row)) for row in batch.live()]
+            for segment in batch.segments:
+                if segment.slab is None:
+                    rows = segment.start + np.flatnonzero(batch.alive[segment.start : segment.stop])
+                    unstaged += [(batch, int(row)) for row in rows]
+        if unstaged:
+            log.warning(
+                "%d partial objects found no staging room: their blocks fail (recomputed)",
+                len(unstaged),
+            )
+            self.fail(unstaged, blamed=False)

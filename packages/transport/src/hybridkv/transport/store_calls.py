@@ -263,7 +263,7 @@ class Transfers:
         for batch, row in rows:
             if batch.alive[row]:
                 batch.alive[row] = False
-                group, block = batch.layout.group_id, int(batch.blocks[row])
+                group, block = batch.layout.block_group, int(batch.blocks[row])
                 self.outcome.failed(group, [batch.keys[row]], [block], blamed)
 
     def fail_all(self, batches: Iterable[GroupBatch], blamed: bool = True) -> None:
