@@ -72,6 +72,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # the connector class by vLLM's registered name; another than hybridkv's (e.g. vLLM's
     # reference ExampleConnector) serves as an oracle for what a load must produce
     connector_class: str = CONNECTOR_NAME
+    # vLLM's kv_role of the connector: "kv_consumer" with `consumer_is_to_load` in
+    # `connector` loads and never stores
+    kv_role: str = "kv_both"
     # master's HTTP admin address (host:port), needed by Step.snapshot_keys
     master_http: str | None = None
     steps: list[Step] = msgspec.field(default_factory=list)
@@ -364,7 +367,7 @@ def _build_llm(spec: InstanceSpec) -> Any:
             kv_connector_module_path=(
                 CONNECTOR_MODULE if spec.connector_class == CONNECTOR_NAME else None
             ),
-            kv_role="kv_both",
+            kv_role=spec.kv_role,
             kv_connector_extra_config=spec.connector,
         )
     return LLM(

