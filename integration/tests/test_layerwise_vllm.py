@@ -127,7 +127,7 @@ def _end_step_saved_every_group(layerwise: VllmLayerwise, rig: Rig) -> None:
     assert layerwise.finish_loads().ok
     saves = layerwise.end_step()
     assert saves is not None
-    assert saves().bytes > 0
+    assert saves.wait().bytes > 0
     assert all(rig.readable(group, BLOCKS) for group in (0, 1, 2))
     layerwise.close()
 

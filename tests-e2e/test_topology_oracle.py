@@ -76,7 +76,18 @@ class TopologyRun:
     cold: dict[str, PromptResult]
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+# CI runs the head cut (pieces inside each page); the stage cuts, which
+# test_topology.py's CI cases also read, run with `-m extended`.
+EXTENDED = ("pp2-to-pp1", "pp35-to-pp1")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
+        for name in SHAPES
+    ],
+)
 def run(
     request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
 ) -> TopologyRun:
