@@ -1,4 +1,4 @@
-"""A reader of another topology reads Llama's KV exactly (two cuts, one module).
+"""A reader of another topology reads the writer's KV exactly (Llama's cuts, LFM2's stages).
 
 - "pp2-to-pp1": the writer runs ``pipeline_parallel_size=2`` (each stage stores objects
   of its own layers); the reader runs one stage and names the writer's cut with
@@ -10,6 +10,8 @@
 - "tp2-to-tp1": the writer runs ``tensor_parallel_size=2`` over two KV heads (each rank
   stores its head's objects); the reader runs one rank with ``store_tp_size: 2`` and
   fills each page from both heads' objects.
+- "lfm2-pp2-to-pp1": "pp2-to-pp1" on LFM2 (conv state and full attention groups, hybrid
+  keys): each group's object of a block joins both stages' objects.
 
 The reader's output is compared exactly with an oracle: the same one-rank, one-stage
 instance reading, in its own key format, objects the test made by joining each block's
@@ -33,6 +35,7 @@ from conftest import Pool
 from scenario import (
     BLOCK,
     CHANGED,
+    LFM2_STAGES_DIFFER,
     MAX_NUM_BATCHED_TOKENS,
     assert_hit_like_cold,
     changed,
@@ -59,12 +62,14 @@ class Shape:
     reader: dict[str, object]  # the reader's connector keys naming the writer's cut
     hidden: int  # Llama's: heads are hidden // 64, KV heads half of that
     layers: tuple[int, ...] = (2, 2)  # per writer stage (VLLM_PP_LAYER_PARTITION)
+    model: str = "llama"
 
 
 SHAPES = {
     "pp2-to-pp1": Shape(1, 2, {"prefill_pp_size": 2}, 128),
     "tp2-to-tp1": Shape(2, 1, {"store_tp_size": 2}, 256),
     "pp35-to-pp1": Shape(1, 2, {"prefill_pp_layer_partition": "3,5"}, 128, (3, 5)),
+    "lfm2-pp2-to-pp1": Shape(1, 2, {"prefill_pp_size": 2}, 128, (4, 4), "lfm2"),
 }
 
 
@@ -78,7 +83,7 @@ class TopologyRun:
 
 # CI runs the head cut (pieces inside each page); the stage cuts, which
 # test_topology.py's CI cases also read, run with `-m extended`.
-EXTENDED = ("pp2-to-pp1", "pp35-to-pp1")
+EXTENDED = ("pp2-to-pp1", "pp35-to-pp1", "lfm2-pp2-to-pp1")
 
 
 @pytest.fixture(
@@ -98,7 +103,7 @@ def run(
         "MOONCAKE_CONFIG_PATH": str(pool.config_path),
         "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2),
     }
-    built = tinymodels.build("llama", models_dir, layers=sum(shape.layers), hidden=shape.hidden)
+    built = tinymodels.build(shape.model, models_dir, layers=sum(shape.layers), hidden=shape.hidden)
 
     def spec(
         steps: list[Step], connector: dict[str, object] | None, tp: int = 1, pp: int = 1
@@ -128,8 +133,11 @@ def run(
     everything = [Step(prompts=list(PROMPTS.values()))]
     read = run_instance(spec(everything, shape.reader), runs_dir, f"{namespace}-reader", env)
     blind = run_instance(spec(everything, {}), runs_dir, f"{namespace}-blind", env)
-    for prompt_keys in keys.values():
-        _join(pool, prompt_keys, namespace, shape.layers)
+    if shape.model == "llama":  # one group: the reader's own keys are single-group ones
+        for prompt_keys in keys.values():
+            _join(pool, prompt_keys, namespace, shape.layers)
+    else:
+        _join_stages(pool, [key for prompt_keys in keys.values() for key in prompt_keys])
     joined = run_instance(spec(everything, {}), runs_dir, f"{namespace}-joined", env)
     cold = run_instance(spec(everything, None), runs_dir, f"{namespace}-cold", env)
 
@@ -181,13 +189,46 @@ def _join(pool: Pool, keys: list[str], namespace: str, stage_layers: tuple[int, 
         pool.surgeon.put(own, b"".join(joined))
 
 
+def _join_stages(pool: Pool, keys: list[str]) -> None:
+    """Each group's writer objects of a block, stage after stage (a stage's layers follow
+    the one's before), under the one-stage reader's own hybrid key: its topology's layout
+    is the one the blind reader stored under. Everything the blind reader stored goes
+    first, so the oracle hits only what the writer wrote."""
+    written = [parse_key(key) for key in keys]
+    assert all(isinstance(key, HybridKey) for key in written), keys
+    writer_layouts = {key.layout for key in written if isinstance(key, HybridKey)}
+    (model,) = {key.model for key in written if isinstance(key, HybridKey)}
+    blind = [
+        key
+        for key in list_pool_keys(pool.http)
+        if isinstance(parsed := parse_key(key), HybridKey)
+        and parsed.model == model
+        and parsed.layout not in writer_layouts
+    ]
+    layouts = {parsed.layout for key in blind if isinstance(parsed := parse_key(key), HybridKey)}
+    assert len(layouts) == 1, f"the blind reader's layout: {layouts}"
+    pool.surgeon.remove(blind)
+    parts: dict[tuple[int, int, str], dict[int, bytes]] = {}
+    for key, parsed in zip(keys, written, strict=True):
+        assert isinstance(parsed, HybridKey), key
+        assert parsed.head == 0, key
+        block = (parsed.group, parsed.block_size, parsed.block_hash)
+        parts.setdefault(block, {})[parsed.pp_rank or 0] = pool.surgeon.read(key)
+    (layout,) = layouts
+    for (group, block_size, block_hash), stages in parts.items():
+        own = HybridKey(model, layout, group, block_size, block_hash, 0)
+        pool.surgeon.put(str(own), b"".join(stages[stage] for stage in sorted(stages)))
+
+
 def test_one_rank_of_one_stage_reads_what_the_writer_wrote_exactly(run: TopologyRun) -> None:
     for name, hit in EXPECTED_HITS.items():
         assert_hit_like_cold(run.reader[name], run.joined[name], hit)
 
 
-def test_the_output_is_the_cold_one(run: TopologyRun) -> None:
+def test_the_output_is_the_cold_one(run: TopologyRun, request: pytest.FixtureRequest) -> None:
     """Tokens as cold; logprobs within what a compiled writer's KV moves them (printed)."""
+    if request.node.callspec.params["run"] == "lfm2-pp2-to-pp1":
+        request.applymarker(pytest.mark.xfail(reason=LFM2_STAGES_DIFFER))
     got, cold = run.reader["clean"], run.cold["clean"]
     print(f"clean prompt: logprob gap to cold {logprob_gap(got, cold):.3g}")
     assert got.token_ids == cold.token_ids
