@@ -100,9 +100,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             refuse_layerwise_micro_batches(vllm_config)
         weights = weights_identity(vllm_config, self.config.weights_version)
         self.plan = plan_from_vllm(vllm_config, kv_cache_config, self.config.namespace, weights)
-        self.keys = KeySpace(
-            self.plan, model_name(vllm_config.model_config.model), self.config.namespace
-        )
+        self.keys = self._key_space(self.plan)
         self._writer = self._writer_topology(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._client: LookupClient | None = None
@@ -165,10 +163,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         return writer_plan(vllm_config, kv_cache_config, self.plan, topology, self.config.namespace)
 
+    def _key_space(self, plan: KVPlan, pp_rank: int | None = None) -> KeySpace:
+        """The keys of `plan`'s objects in this model and namespace: one stage's (`pp_rank`)
+        or, for the scheduler, every stage's."""
+        model = model_name(self._vllm_config.model_config.model)
+        return KeySpace(plan, model, self.config.namespace, pp_rank)
+
     def _writer_keys(self, pp_rank: int | None) -> KeySpace:
         assert self._writer is not None
-        model = model_name(self._vllm_config.model_config.model)
-        return KeySpace(self._writer[0], model, self.config.namespace, pp_rank)
+        return self._key_space(self._writer[0], pp_rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -271,12 +274,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         ranks = WorkerRanks.current()
         if self.plan.pp_size > 1:
-            self.keys = KeySpace(
-                self.plan,
-                model_name(self._vllm_config.model_config.model),
-                self.config.namespace,
-                ranks.pp_rank,
-            )
+            self.keys = self._key_space(self.plan, ranks.pp_rank)
         layer_index = layer_numbers(kv_caches, self._vllm_config.model_config.hf_config.model_type)
         layouts = build_layouts(self.keys, kv_caches, layer_index, self._kv_cache_config.num_blocks)
         reads = None
@@ -347,8 +345,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _scheduler_keys(self) -> KeySpace:
         """The scheduler's key space: every stage's (this worker's renders its own stage's
         only)."""
-        model = model_name(self._vllm_config.model_config.model)
-        return KeySpace(self.plan, model, self.config.namespace)
+        return self._key_space(self.plan)
 
     def _remove_from_pool(self) -> int:
         # Every stage's objects. Not forced: an object read in the last lease period may

@@ -76,7 +76,6 @@ class SchedulerSide:
         before it reports a step's outcome (async scheduling, pipeline stages).
         `block_query`: the pool asked by block hashes, their keys rendered where the store
         is (the lookup socket); None: `query` asked by keys rendered here.
-
         `writer_keys`: the keys of another writer topology this reader reads (its groups
         are this plan's): a request takes the longer hit, its own on a tie."""
         self.keys = keys

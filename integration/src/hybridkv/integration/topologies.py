@@ -175,25 +175,26 @@ class WriterReads:
     ) -> None:
         """`writer_keys`: the writer's key space per stage. `reads`: (plan group, source,
         writer object size) of every object this rank reads."""
-        self._keys = writer_keys
         self.layouts: list[GroupLayout] = []
-        self._sources: dict[int, list[tuple[int, Source]]] = {}
+        # per reader plan group: (layout id, the writer stage's key space, its plan
+        # group, storing shard) of every writer object a block of it needs
+        self._sources: dict[int, list[tuple[int, KeySpace, int, int]]] = {}
         self._plan_group: dict[int, int] = {}
         next_id = len(reader_layouts)
         for group, source, size in reads:
             ident = next_id
             next_id += 1
             self.layouts.append(_piece_layout(ident, group, reader_layouts[group], source, size))
-            self._sources.setdefault(group, []).append((ident, source))
+            keys = writer_keys[source.stage]
+            writer_group = _group_index(keys.plan, source.group)
+            self._sources.setdefault(group, []).append((ident, keys, writer_group, source.shard))
             self._plan_group[ident] = group
 
     def transfers(self, ref: BlockRef, request_id: str, owner_index: int) -> list[BlockTransfer]:
         """The reads of one reader block: one per writer object it needs."""
         transfers = []
-        for ident, source in self._sources[ref.group]:
-            keys = self._keys[source.stage]
-            group = self._group_index(keys.plan, source.group)
-            [key] = keys.keys(group, [ref.block_hash], [source.shard])
+        for ident, keys, group, shard in self._sources[ref.group]:
+            [key] = keys.keys(group, [ref.block_hash], [shard])
             transfers.append(BlockTransfer(key, ident, ref.block_id, request_id, owner_index))
         return transfers
 
@@ -201,9 +202,9 @@ class WriterReads:
         """The plan group a layout id loads (its own for this rank's own layouts)."""
         return self._plan_group.get(layout_id, layout_id)
 
-    @staticmethod
-    def _group_index(plan: KVPlan, vllm_group_id: int) -> int:
-        return next(i for i, g in enumerate(plan.groups) if g.vllm_group_id == vllm_group_id)
+
+def _group_index(plan: KVPlan, vllm_group_id: int) -> int:
+    return next(i for i, g in enumerate(plan.groups) if g.vllm_group_id == vllm_group_id)
 
 
 def _piece_layout(
