@@ -341,3 +341,41 @@ def test_a_master_that_does_not_answer_in_time_gives_no_answer_not_a_miss(
             assert store.get_session_start(stored) == [Status.RPC_FAILED]
     finally:
         store.close()
+
+
+def test_a_stalled_master_costs_one_timeout_not_one_per_call(
+    start_mooncake_master: StartMaster,
+) -> None:
+    """The stalled master's kernel still accepts connections, so a port check would let
+    every later call wait out the timeout again (a save step blocked for a whole 40 s
+    stall this way). After the first call without an answer, calls fail at once until the
+    master answers the background probe; then they go through again."""
+    master = start_mooncake_master()
+    store = MooncakeStore.connect(mooncake_config(master.address, store_timeout_s=2))
+    data = np.arange(4096, dtype=np.uint8)
+    stored = keys_of("stall-once", 1)
+    try:
+        assert put_all(store, stored, data) == [OK]
+        with stalled(master.pid):
+            started = time.monotonic()
+            assert store.get_session_start(stored) == [Status.RPC_FAILED]
+            first = time.monotonic() - started
+            later = []
+            for attempt in range(8):  # over 4 s: two timeouts' worth, eight probe intervals
+                time.sleep(0.5)
+                started = time.monotonic()
+                assert put_all(store, keys_of(f"stall-once{attempt}", 1), data) == [
+                    Status.RPC_FAILED
+                ]
+                later.append(time.monotonic() - started)
+            print(f"first call {first:.2f} s, later", [f"{t:.3f}" for t in later])
+            assert first >= 1.5  # it did wait for the master's answer
+            assert max(later) < 1.0  # none waited for the 2 s timeout
+        deadline = time.monotonic() + 30
+        while store.get_session_start(stored) != [OK]:
+            assert time.monotonic() < deadline, "calls never went through after SIGCONT"
+            time.sleep(0.2)
+        store.get_session_end(stored)
+        print(f"through again {30 - (deadline - time.monotonic()):.1f} s after SIGCONT")
+    finally:
+        store.close()

@@ -5,10 +5,11 @@ What this wrapper adds to the raw client:
   waits for calls in flight (several threads share one store);
 - setup fails within seconds, as `StoreUnavailable`, when the master is down (the client
   alone retries for about 90 s);
-- after a call reports the master unreachable, master calls answer RPC_FAILED at once until
-  the master's port accepts connections again (the client alone spends ~4 s in each call
-  while it reconnects); with elected masters (`etcd://`), until etcd answers, after which
-  the client itself finds the new leader;
+- after a call gets no answer from the master (it is gone, or stalled past
+  `store_timeout_s`), master calls answer RPC_FAILED at once until a background probe gets
+  an answer again (`MasterHealth`; the client alone spends ~4 s in each call while it
+  reconnects, and the whole timeout in each call to a stalled master); with elected masters
+  (`etcd://`), the probe asks once etcd answers, and the client itself finds the new leader;
 - integer codes become `Status` members.
 Mooncake is imported in `connect`, so importing hybridkv.transport never needs it.
 """
@@ -31,6 +32,7 @@ from hybridkv.transport.errors import (
     error_for,
 )
 from hybridkv.transport.master_address import parse_master_address
+from hybridkv.transport.master_health import MasterHealth
 from hybridkv.transport.mooncake_client import load_client_class, prepare_environment, put_placement
 from hybridkv.transport.store import (
     Offsets,
@@ -45,7 +47,8 @@ from hybridkv.transport.store import (
 # (buffers or ranges) in all: data calls are split so no caller can hit it.
 MAX_PIECES_PER_CALL = 1024
 MASTER_PROBE_TIMEOUT_S = 2.0
-MASTER_RECHECK_INTERVAL_S = 0.5
+# The key the master probe asks about: any answer, even "no such key", is an answer.
+PROBE_KEY = "hybridkv-master-probe"
 # Characters Mooncake's (ECMAScript) regex treats specially: escaped to match a prefix.
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
 _RPC_FAILED = Status.RPC_FAILED.value
@@ -66,8 +69,9 @@ class MooncakeStore:
         self._state = threading.Condition()
         self._closed = False
         self._in_flight = 0
-        self._master_down_since: float | None = None
-        self._master_checked_at = 0.0
+        self._health = MasterHealth(
+            lambda: self._master.reachable(MASTER_PROBE_TIMEOUT_S), self._master_answers
+        )
         self._registering = threading.Lock()
         self._registered: dict[int, list[int]] = {}  # address -> [size, registrations]
         self._registers = config.protocol not in UNREGISTERED_PROTOCOLS
@@ -245,6 +249,7 @@ class MooncakeStore:
 
     def close(self) -> None:
         """Wait for calls in flight, then release the client; idempotent."""
+        self._health.close()
         with self._state:
             if self._closed:
                 return
@@ -344,29 +349,17 @@ class MooncakeStore:
         with self._call() as client:
             if not keys:
                 return []
-            if self._master_known_down():
+            if self._health.down:
                 return [failed] * len(keys)
-            # Every code meaning no answer (a master that timed out too) as RPC_FAILED.
-            codes = [
-                _RPC_FAILED if Status.from_code(code) is Status.RPC_FAILED else code
-                for code in call(client)
-            ]
+            codes = _answered(call(client))
         if _RPC_FAILED in codes:
-            self._master_down_since = time.monotonic()
+            self._health.failed()
         return codes
 
-    def _master_known_down(self) -> bool:
-        """True while the master is unreachable, re-probing its port at most twice a second."""
-        if self._master_down_since is None:
-            return False
-        now = time.monotonic()
-        if now - self._master_checked_at < MASTER_RECHECK_INTERVAL_S:
-            return True
-        self._master_checked_at = now
-        if self._master.reachable(MASTER_PROBE_TIMEOUT_S):
-            self._master_down_since = None
-            return False
-        return True
+    def _master_answers(self) -> bool:
+        """The master probe's call: whether the master answered one question."""
+        with self._call() as client:
+            return _RPC_FAILED not in _answered(client.batch_is_exist([PROBE_KEY]))
 
 
 def split_by_pieces(pieces: Sequence[int], limit: int) -> list[slice]:
@@ -385,3 +378,8 @@ def split_by_pieces(pieces: Sequence[int], limit: int) -> list[slice]:
 
 def _lists(columns: Sequence[Sequence[int]]) -> list[list[int]]:
     return [list(column) for column in columns]
+
+
+def _answered(codes: list[int]) -> list[int]:
+    """Every code meaning no answer (a master that timed out too) as RPC_FAILED."""
+    return [_RPC_FAILED if Status.from_code(code) is Status.RPC_FAILED else code for code in codes]
