@@ -33,7 +33,8 @@ def test_a_waiting_request_asked_again_within_the_memory_time_queries_the_pool_o
         clock.now = step * 0.25
         assert side.num_new_matched_tokens(waiting, 0) == (160, False)
     assert pool.queries == 1
-    assert side.take_stats()["lookups"] == 1
+    stats = side.take_stats()
+    assert (stats["lookups"], stats["remembered_lookups"]) == (1, 4)
     assert side.num_new_matched_tokens(waiting, 32) == (128, False)  # another ask: asked
     assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (160, False)  # a new object
     assert pool.queries == 3
@@ -49,6 +50,7 @@ def test_with_no_memory_time_every_ask_queries_the_pool(vllm_specs: Any) -> None
     for _ in range(3):
         assert side.num_new_matched_tokens(waiting, 0) == (160, False)
     assert pool.queries == 3
+    assert side.take_stats()["remembered_lookups"] == 0
 
 
 def test_a_quarantined_key_is_never_answered_from_memory(vllm_specs: Any) -> None:
@@ -103,4 +105,5 @@ def test_a_waiting_request_asked_again_hashes_no_token_again(
     for _ in range(3):
         assert side.num_new_matched_tokens(waiting, 0) == (160, False)
     assert pool.queries == 3
+    assert side.take_stats()["remembered_lookups"] == 0
     assert hashed == [len(TOKENS)]

@@ -39,6 +39,7 @@ class AnswerMemory(Generic[Answer]):
         self._seconds = seconds
         self._clock = clock
         self._by_id: dict[str, _Remembered[Answer]] = {}
+        self.given_again = 0  # asks answered from memory, for the stats
 
     def answer(
         self, request: Any, num_computed: int, ask: Callable[[], Answer | None]
@@ -54,6 +55,7 @@ class AnswerMemory(Generic[Answer]):
             and kept.num_tokens == request.num_tokens
             and now - kept.at < self._seconds
         ):
+            self.given_again += 1
             return kept.answer
         answer = ask()
         if answer is None or not self._seconds:

@@ -306,10 +306,12 @@ class SchedulerSide:
             "tail_hit_tokens": loads.tail_hit_tokens,
             "lookups": hits.lookups,
             "failed_lookups": hits.failed_lookups,
+            "remembered_lookups": self._answers.given_again,
             "lookup_seconds": self._lookup_seconds,
             "quarantined_keys": hits.quarantined_keys,
         }
         self._lookup_seconds = 0.0
+        self._answers.given_again = 0
         loads.hit_tokens = loads.hit_requests = loads.tail_hit_tokens = 0
         hits.lookups = hits.failed_lookups = hits.quarantined_keys = self._queried_tokens = 0
         return stats
