@@ -247,7 +247,18 @@ def test_the_longer_hit_of_own_and_writer_topology_is_loaded(vllm_specs: Any) ->
     side, writer_keys, pool = _sides(vllm_specs)
     put_blocks(side, pool, TOKENS, [0], 64)  # own keys: two blocks
     put_blocks(side, pool, TOKENS, [0], 128, keys=writer_keys)  # both stages: four
+    side.take_stats()
     assert _loaded_topology(side, 128) == 1
+    assert side.take_stats()["lookups"] == 2  # its own keys' and the writer's
+
+
+def test_a_writer_key_lookup_without_answer_counts_as_failed(vllm_specs: Any) -> None:
+    side, _, pool = _sides(vllm_specs)
+    put_blocks(side, pool, TOKENS, [0], 96)
+    pool.down = True  # both lookups of the request get no answer
+    assert side.num_new_matched_tokens(request("r", TOKENS), 0) == (0, False)
+    stats = side.take_stats()
+    assert (stats["lookups"], stats["failed_lookups"]) == (2, 2)
 
 
 def test_own_topology_wins_a_tie(vllm_specs: Any) -> None:

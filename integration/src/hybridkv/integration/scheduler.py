@@ -298,20 +298,23 @@ class SchedulerSide:
         self._requests.pop(request_id)
 
     def take_stats(self) -> dict[str, float]:
-        hits, loads = self._hits, self._loads
+        """Counts since the last call; lookups of the writer topology's keys count too."""
+        loads = self._loads
+        finders = [self._hits] if self._writer_hits is None else [self._hits, self._writer_hits]
         stats = {
             "queried_tokens": self._queried_tokens,
             "hit_tokens": loads.hit_tokens,
             "hit_requests": loads.hit_requests,
             "tail_hit_tokens": loads.tail_hit_tokens,
-            "lookups": hits.lookups,
-            "failed_lookups": hits.failed_lookups,
+            "lookups": sum(hits.lookups for hits in finders),
+            "failed_lookups": sum(hits.failed_lookups for hits in finders),
             "remembered_lookups": self._answers.given_again,
             "lookup_seconds": self._lookup_seconds,
-            "quarantined_keys": hits.quarantined_keys,
+            "quarantined_keys": sum(hits.quarantined_keys for hits in finders),
         }
         self._lookup_seconds = 0.0
-        self._answers.given_again = 0
+        self._answers.given_again = self._queried_tokens = 0
         loads.hit_tokens = loads.hit_requests = loads.tail_hit_tokens = 0
-        hits.lookups = hits.failed_lookups = hits.quarantined_keys = self._queried_tokens = 0
+        for hits in finders:
+            hits.lookups = hits.failed_lookups = hits.quarantined_keys = 0
         return stats
