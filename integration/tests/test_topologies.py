@@ -22,7 +22,13 @@ from hybridkv.integration.groups import KVPlan, ModelShape, plan_groups
 from hybridkv.integration.keying import KeySpace, RequestHashes
 from hybridkv.integration.metadata import BlockRef
 from hybridkv.integration.scheduler import SchedulerSide
-from hybridkv.integration.topologies import WriterReads, rank_reads, refuse_unreadable
+from hybridkv.integration.topologies import (
+    WriterReads,
+    one_group_per_type,
+    rank_reads,
+    refuse_unreadable,
+    whole_model_layers,
+)
 from hybridkv.integration.vllm_facts import writer_stages
 from hybridkv.transport import (
     BlockTransfer,
@@ -276,3 +282,29 @@ def test_a_writer_block_needs_every_stage_s_object(vllm_specs: Any) -> None:
     third = hashes.for_group(32)[2]
     pool.keys.discard(KeySpace(writer_keys.plan, "tiny", pp_rank=1).keys(0, [third], [0])[0])
     assert _loaded_topology(side, 64) == 1
+
+
+GEMMA_TYPES = ["sliding", "full"] * 4  # a sliding window group and a full one
+
+
+def test_a_stage_group_of_one_layer_type_holds_that_type_over_the_whole_model() -> None:
+    """A second stage's sliding layers (5, 7 of 8): the group is every sliding layer."""
+    stage = {5: "model.layers.5.attn", 7: "model.layers.7.attn"}
+    whole = whole_model_layers(stage, (4, 8), 8, GEMMA_TYPES)
+    assert whole == {i: f"model.layers.{i}.attn" for i in (1, 3, 5, 7)}
+
+
+def test_a_stage_group_the_layer_types_cannot_tell_is_refused() -> None:
+    stage = {4: "model.layers.4.attn", 6: "model.layers.6.attn"}
+    with pytest.raises(ValueError, match="needs every layer's name"):
+        whole_model_layers(stage, (4, 8), 8)  # no layer types
+    with pytest.raises(ValueError, match="needs every layer's name"):
+        whole_model_layers({4: "model.layers.4.attn"}, (4, 8), 8, GEMMA_TYPES)  # 6 elsewhere
+
+
+def test_layer_types_count_only_where_each_type_is_one_group(vllm_specs: Any) -> None:
+    kinds = groups(vllm_specs, (["l.0", "l.2"], attention(vllm_specs)))
+    plan = plan_groups(kinds, [0], ModelShape(1, 2), num_layers=4)
+    assert one_group_per_type(plan, ["a", "a", "a", "a"]) == ["a", "a", "a", "a"]
+    assert one_group_per_type(plan, GEMMA_TYPES) is None  # two types, one group
+    assert one_group_per_type(plan, None) is None

@@ -329,6 +329,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             layouts,
             names,
             layers,
+            getattr(self._vllm_config.model_config.hf_text_config, "layer_types", None),
         )
         keys = [self._writer_keys(stage) for stage in range(writer.pp_size)]
         logger.info(

@@ -101,23 +101,56 @@ class LayerCaches:
 
 
 def whole_model_layers(
-    stage_layers: Mapping[int, str], stage: tuple[int, int], num_layers: int
+    stage_layers: Mapping[int, str],
+    stage: tuple[int, int],
+    num_layers: int,
+    layer_types: Sequence[str] | None = None,
 ) -> dict[int, str]:
     """Physical layer -> name of one group over the whole model, from this stage's.
 
-    A stage names only its own layers; a group holding every layer of the stage, all
-    named alike but for the index, is taken to hold every layer of the model."""
+    A stage names only its own layers, all named alike but for the index. A group holding
+    every layer of the stage holds every layer of the model. Else the model's
+    `layer_types` (one per layer, as Hugging Face configs give them) tell it, where each
+    type is one group (`one_group_per_type`): the group holds every layer of its type.
+    """
     if stage == (0, num_layers):
         return dict(stage_layers)
     templates = {_template(index, name) for index, name in stage_layers.items()}
-    if set(stage_layers) != set(range(*stage)) or len(templates) != 1:
+    held = _layers_of_type(stage_layers, stage, layer_types)
+    if held is None and set(stage_layers) == set(range(*stage)):
+        held = list(range(num_layers))
+    if held is None or len(templates) != 1:
         raise ValueError(
             f"a pipeline stage reading another topology needs every layer's name: this "
             f"stage's group of layers {sorted(stage_layers)} does not tell them for "
-            f"layers [0, {num_layers})"
+            f"layers [0, {num_layers}), and the model's layer_types do not either"
         )
     [template] = templates
-    return {index: template.format(index) for index in range(num_layers)}
+    return {index: template.format(index) for index in held}
+
+
+def _layers_of_type(
+    stage_layers: Mapping[int, str], stage: tuple[int, int], layer_types: Sequence[str] | None
+) -> list[int] | None:
+    """Every layer of the type this group's stage layers share, if they are every layer
+    of that type in the stage; None where `layer_types` cannot tell."""
+    if layer_types is None:
+        return None
+    types = {layer_types[index] for index in stage_layers}
+    if len(types) != 1:
+        return None
+    [kind] = types
+    if {i for i in range(*stage) if layer_types[i] == kind} != set(stage_layers):
+        return None
+    return [index for index, each in enumerate(layer_types) if each == kind]
+
+
+def one_group_per_type(plan: KVPlan, layer_types: Sequence[str] | None) -> Sequence[str] | None:
+    """`layer_types` where each type is exactly one of the plan's groups (vLLM splits a
+    type into several groups where types differ in count): None where it is not."""
+    if layer_types is None or len(set(layer_types)) != len(plan.groups):
+        return None
+    return layer_types
 
 
 def _template(index: int, name: str) -> str:
@@ -237,16 +270,19 @@ def rank_reads(
     layouts: Sequence[GroupLayout],
     layer_names: Mapping[int, str],
     num_layers: int,
+    layer_types: Sequence[str] | None = None,
 ) -> list[tuple[int, Source, int]]:
     """(plan group, writer object, its size) of every writer object this rank reads:
     `plan_reads` over this rank's objects and the writer's, computed once at start-up.
-    `layer_names`: physical layer -> name of this stage's layers."""
+    `layer_names`: physical layer -> name of this stage's layers; `layer_types`: the
+    model's, one per layer, if its config gives them."""
     stage_names = [{layer: layer_names[layer] for layer in layout.layers} for layout in layouts]
     caches = [
         LayerCaches.of(group, layout, names)
         for group, layout, names in zip(reader.groups, layouts, stage_names, strict=True)
     ]
-    whole = [whole_model_layers(names, reader_stage, num_layers) for names in stage_names]
+    types = one_group_per_type(reader, layer_types)
+    whole = [whole_model_layers(names, reader_stage, num_layers, types) for names in stage_names]
     own = object_maps(reader, {pp_rank: reader_stage}, stage_names, caches, tp_rank)
     theirs = object_maps(writer, dict(enumerate(writer_stages or [(0, num_layers)])), whole, caches)
     sizes = {m.ident: m.size for m in theirs}
