@@ -170,7 +170,12 @@ class InstanceResult(msgspec.Struct, kw_only=True):
 
 
 class InstanceError(RuntimeError):
-    """The child exited badly or ran out of time; the message carries its log tail."""
+    """The child exited badly or ran out of time; the message carries its log tail, `log`
+    names the whole log (a reason logged early may be past the tail)."""
+
+    def __init__(self, message: str, log: Path) -> None:
+        super().__init__(message)
+        self.log = log
 
 
 # -- parent side ------------------------------------------------------------------------
@@ -217,7 +222,9 @@ def run_script(
         stop_group(child)
     if code != 0 or not result_path.exists():
         why = "timed out" if code is None else f"exited with {code}"
-        raise InstanceError(f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}")
+        raise InstanceError(
+            f"vLLM instance {name!r} {why}; log {log_path}:\n{_tail(log_path)}", log_path
+        )
     return msgspec.json.decode(result_path.read_bytes(), type=result_type)
 
 

@@ -346,7 +346,9 @@ def test_sharded_conv_state_is_never_read_across_tensor_parallel_sizes(
         outcome = refused
     if isinstance(outcome, InstanceError):
         assert "reader" in str(outcome), outcome  # the writer ran; the reader refused
-        assert re.search(r"(?i)tensor.parallel|store_tp_size|shard", str(outcome)), outcome
+        # (the whole log: two ranks' shutdown can push the reason past the message's tail)
+        log = outcome.log.read_text(errors="replace")
+        assert re.search(r"only the same TP size is readable", log), outcome
         return
     for prompt in PROMPTS:
         assert_hit_like_cold(outcome.reader[prompt], outcome.cold[prompt], 0)
