@@ -10,12 +10,12 @@ which cold instances of the two topologies differ themselves. Every writer has
 a namespace of its own, so a reader can only hit the named writer's objects, never those of
 a writer of its own topology. Models have 8 layers (room for a 3/5 split).
 
-Cases, writer -> reader: PP=2 -> PP=1, PP=1 -> PP=2, PP=2 uneven (3/5) -> PP=2 even, on
-Llama, Gemma3 (sliding window + full) and LFM2 (conv state + full); TP=2 -> TP=1 and
-TP=1 -> TP=2 on Llama with split KV heads (two, one per rank), Llama with a replicated one
-(one KV head, two ranks) and Gemma3 with split heads. LFM2 across TP sizes is refused (its
-conv state is sharded over the ranks): the reader must refuse at start-up with the reason,
-or find nothing.
+Cases, writer -> reader: PP=2 -> PP=1, PP=1 -> PP=2, PP=2 uneven (3/5) -> PP=2 even,
+PP=1 -> PP=2 uneven (3/5), on Llama, Gemma3 (sliding window + full) and LFM2 (conv state
++ full); TP=2 -> TP=1 and TP=1 -> TP=2 on Llama with split KV heads (two, one per rank),
+Llama with a replicated one (one KV head, two ranks) and Gemma3 with split heads. LFM2
+across TP sizes is refused (its conv state is sharded over the ranks): the reader must
+refuse at start-up with the reason, or find nothing.
 
 Negative controls: in every case the writer's objects of a second prompt are overwritten
 with noise of the KV's scale, and the reader must hit them and answer otherwise. Llama
@@ -263,7 +263,7 @@ class Lab:
 PIPELINE_CASES = [
     Case(model, writer, reader)
     for model in (LLAMA, Model("gemma3", 128), LFM2)
-    for writer, reader in ((PP2, SINGLE), (SINGLE, PP2), (PP2_UNEVEN, PP2))
+    for writer, reader in ((PP2, SINGLE), (SINGLE, PP2), (PP2_UNEVEN, PP2), (SINGLE, PP2_UNEVEN))
 ]
 TENSOR_CASES = [
     Case(model, writer, reader)
