@@ -44,6 +44,22 @@ def test_a_waiting_request_asked_again_within_the_memory_time_queries_the_pool_o
     assert pool.queries == 4
 
 
+def test_a_request_placed_then_preempted_is_looked_up_afresh(vllm_specs: Any) -> None:
+    """Preempted within the memory time, it asks again while the pool now holds the
+    blocks it saved: its remembered miss would make vLLM recompute them."""
+    plan = plan_groups(groups(vllm_specs, (["a"], attention(vllm_specs))), [0], ModelShape(1, 2))
+    pool, clock = Pool(), Clock()
+    side = SchedulerSide(
+        KeySpace(plan, "tiny"), ConnectorConfig(lookup_memory_s=2.0), pool.query, clock=clock
+    )
+    running = request("r", TOKENS)
+    assert side.num_new_matched_tokens(running, 0) == (0, False)  # nothing stored yet
+    side.after_alloc(running, ([1, 2, 3, 4, 5, 6, 7],), 0)
+    put_blocks(side, pool, TOKENS, [0], 160)  # what it saved while running
+    assert side.num_new_matched_tokens(running, 0) == (160, False)
+    assert pool.queries == 2
+
+
 def test_with_no_memory_time_every_ask_queries_the_pool(vllm_specs: Any) -> None:
     side, pool, _ = _side(vllm_specs, lookup_memory_s=0)
     waiting = request("r", TOKENS)

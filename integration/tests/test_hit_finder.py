@@ -99,6 +99,7 @@ def test_lookup_failure_is_a_miss(vllm_specs: Any) -> None:
         "tail_hit_tokens": 0,
         "lookups": 1,
         "failed_lookups": 1,
+        "remembered_lookups": 0,
         "quarantined_keys": 0,
     }
 

@@ -152,6 +152,7 @@ def test_prompt_tail_is_stored_where_vllm_ends_the_chunk_and_extends_a_later_hit
         "tail_hit_tokens": 16,
         "lookups": 0,
         "failed_lookups": 0,
+        "remembered_lookups": 0,
         "lookup_seconds": 0.0,
         "quarantined_keys": 0,
     }

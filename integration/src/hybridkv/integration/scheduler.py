@@ -201,6 +201,9 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, block_ids: Sequence[list[int]], external: int) -> None:
         """Turn the pending hit into per-block loads once vLLM has placed the blocks."""
+        # Placed: it waits no more. Asked again (a preemption), the pool may hold its own
+        # blocks by then: a new lookup, not the answer it got while waiting.
+        self._answers.forget(request.request_id)
         if not has_token_ids(request) or self._taint.is_stale(request.request_id):
             return  # never saved: placeholder token ids, or KV from before a reset
         self._loads.allocated(request, self._track(request), block_ids, external)
