@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 import tinymodels
 from vllm_instance import (
     InstanceResult,
@@ -342,3 +343,12 @@ def run_tails(
 # reader of a two-stage writer's LFM2 KV; test_topology_oracle.py's exact oracle is (its
 # "lfm2-pp2-to-pp1" reader equals the oracle exactly).
 LFM2_STAGES_DIFFER = "cold LFM2 PP=2 and PP=1 differ beyond rounding (the read: exact oracle)"
+
+
+def params(values: Iterable[Any], extended: Callable[[Any], bool]) -> list[Any]:
+    """pytest params of `values`, named by `str`; those `extended` says are marked
+    `extended`, which the CI subset leaves out."""
+    return [
+        pytest.param(value, id=str(value), marks=[pytest.mark.extended] if extended(value) else [])
+        for value in values
+    ]

@@ -26,6 +26,7 @@ from scenario import (
     assert_hit_but_changed,
     assert_hit_like_cold,
     keys_added_by_step,
+    params,
     thread_binding,
 )
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
@@ -88,10 +89,7 @@ def _run(pool: Pool, models: Path, runs: Path, model: str) -> PipelineRun:
 
 @pytest.fixture(
     scope="module",
-    params=[
-        pytest.param(model, marks=[pytest.mark.extended] if model in EXTENDED else [])
-        for model in MODELS
-    ],
+    params=params(MODELS, lambda model: model in EXTENDED),
 )
 def run(
     request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path

@@ -47,6 +47,7 @@ from scenario import (
     assert_hit_but_changed,
     assert_hit_like_cold,
     keys_added_by_step,
+    params,
     thread_binding,
 )
 from vllm_instance import (
@@ -280,10 +281,7 @@ REFUSED_CASES = [Case(LFM2, TP2, SINGLE), Case(LFM2, SINGLE, TP2)]
 
 
 def _params(cases: list[Case]) -> list[object]:
-    return [
-        pytest.param(case, id=str(case), marks=[] if case in IN_CI else [pytest.mark.extended])
-        for case in cases
-    ]
+    return params(cases, lambda case: case not in IN_CI)
 
 
 @pytest.fixture(scope="session")

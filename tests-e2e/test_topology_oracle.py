@@ -41,6 +41,7 @@ from scenario import (
     changed,
     keys_added_by_step,
     logprob_gap,
+    params,
     thread_binding,
 )
 from vllm_instance import InstanceSpec, PromptResult, Step, list_pool_keys, run_instance
@@ -88,10 +89,7 @@ EXTENDED = ("pp2-to-pp1", "pp35-to-pp1", "lfm2-pp2-to-pp1")
 
 @pytest.fixture(
     scope="module",
-    params=[
-        pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
-        for name in SHAPES
-    ],
+    params=params(SHAPES, lambda name: name in EXTENDED),
 )
 def run(
     request: pytest.FixtureRequest, vllm_ready: None, pool: Pool, models_dir: Path, runs_dir: Path
