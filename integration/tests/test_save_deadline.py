@@ -12,8 +12,10 @@ whatever the pool holds of those blocks is the KV they held when saved, whole, o
 nothing; once the put given up has ended, saves are stored again.
 
 Staged saves (host caches' default) copy into staging before the store call: the barrier
-returns at the deadline. In-place saves ("group") read the caches during the store call
-itself: the barrier also waits for the one call in flight (at most the store timeout).
+returns at the deadline, and the put given up still runs when the third step comes. In-place
+saves ("group") read the caches during the store call itself: the barrier also waits for
+the one call in flight (at most the store timeout), so that call may have ended by the
+third step, which then saves again and is given up in turn (its deadline plus that call).
 """
 
 from __future__ import annotations
@@ -126,7 +128,10 @@ def test_the_save_barrier_gives_up_at_its_deadline_and_the_pool_never_holds_reus
         saver.worker.close()  # the engine drains what it still runs
     bound = DEADLINE_S + (STORE_TIMEOUT_S if granularity == "group" else 0)
     assert waited < bound + 2.0  # not the store's timeout per call (10 s and more)
-    assert waited_third < DEADLINE_S  # nothing issued, nothing to wait for
+    if granularity == "staged":
+        assert waited_third < DEADLINE_S  # nothing issued, nothing to wait for
+    else:
+        assert waited_third < bound + 2.0
     assert totals["failed_save_blocks"] == len(FIRST) + len(SECOND) + len(THIRD)
     assert announced == []
     assert stored_again
