@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -21,6 +23,8 @@ from hybridkv.transport.ownership import BlockTransfer, Claim
 from hybridkv.transport.pipeline import Backlog, Job
 from hybridkv.transport.reads import Reads
 from hybridkv.transport.writes import Writes
+
+log = logging.getLogger(__name__)
 
 
 class StepHost(Protocol):
@@ -66,6 +70,10 @@ class LayerwiseStep:
     The step ends (its end jobs are queued) once: at its first `finish()`, or at the
     `finish()` of a later step still riding on an open step's writes; then `save_layer`
     raises.
+
+    Loads still running `load_deadline_s` after the step began are given up: called off
+    (no write into the caches once `wait_layer_loaded` returns), every load block fails,
+    and `finish()` no longer waits for them (their store calls end in the background).
     """
 
     def __init__(
@@ -76,10 +84,15 @@ class LayerwiseStep:
         claim: Claim,
         writes: Writes,
         ready: Event | None = None,
+        load_deadline_s: float | None = None,
     ) -> None:
         """`reads` of `loads` and `writes` of `claim`'s saves, both of this step's
         granularity; the engine began counting the loads and claimed the saves."""
         self._host = host
+        self._loads_due = None if load_deadline_s is None else time.monotonic() + load_deadline_s
+        self._load_deadline_s = load_deadline_s
+        self._loads_given_up: dict[int, set[int]] | None = None
+        self._receiving: set[int] = set()  # ids of the jobs on the receive thread
         self._load_outcome = reads.outcome
         self._reads = reads
         self._reads.ready = ready
@@ -97,7 +110,7 @@ class LayerwiseStep:
         self._ended = False
         self._result: TransferResult | None = None
         if self._reads.batches:
-            self._jobs.append(host.receive(self._reads.begin))
+            self._jobs.append(self._receive(self._reads.begin))
             self._schedule_reads(host.prefetch_layers + 1)
         self._jobs.append(host.send(functools.partial(host.prepare, self._writes)))
 
@@ -108,16 +121,51 @@ class LayerwiseStep:
         must not use them and reports them to vLLM for recomputation. `ready`, if given,
         is the caches' current ready point: loads that have not written yet wait for it.
         """
+        if self._loads_given_up is not None:
+            return {group: set(blocks) for group, blocks in self._loads_given_up.items()}
         if ready is not None:
             self._reads.ready = ready
         needed = bisect.bisect_right(self._reads.layers, layer)
         with self._lock:
             self._schedule_reads(needed + self._host.prefetch_layers)
         if needed:
-            self._jobs[0].wait()  # the session start
-            for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
-                job.wait()  # raises the first error
+            try:
+                self._jobs[0].wait(self._load_time_left())  # the session start
+                for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
+                    job.wait(self._load_time_left())  # raises the first error
+            except TimeoutError:
+                return self._give_up_loads()
         return self._load_outcome.failed_blocks()
+
+    def _load_time_left(self) -> float | None:
+        due = self._loads_due
+        return None if due is None else max(0.0, due - time.monotonic())
+
+    def _give_up_loads(self) -> dict[int, set[int]]:
+        """Call the loads off (an in-place call in progress ends first) and fail them all."""
+        self._load_outcome.cache_access.call_off()
+        failed: dict[int, set[int]] = {}
+        for batch in self._reads.batches.values():
+            failed.setdefault(batch.layout.block_group, set()).update(map(int, batch.blocks))
+        self._loads_given_up = failed
+        log.warning(
+            "layerwise loads of %d blocks still running after load_deadline_s (%g s): given "
+            "up, every one fails",
+            sum(len(blocks) for blocks in failed.values()),
+            self._load_deadline_s,
+        )
+        return {group: set(blocks) for group, blocks in failed.items()}
+
+    def _given_up_result(self) -> TransferResult:
+        """Every load failed; only the keys the store failed before are to blame."""
+        assert self._loads_given_up is not None
+        blamed = set(self._load_outcome.result().blamed_keys)
+        keys = [key for batch in self._reads.batches.values() for key in batch.keys]
+        return TransferResult(
+            failed_blocks={group: set(blocks) for group, blocks in self._loads_given_up.items()},
+            failed_keys=keys,
+            unblamed_keys=[key for key in keys if key not in blamed],
+        )
 
     def blamed_loads(self) -> list[str]:
         """Keys whose reads the store failed so far (a status about them): the objects to
@@ -188,6 +236,8 @@ class LayerwiseStep:
         """
         host = self._host
         jobs = self._end()
+        if self._loads_given_up is not None:  # their calls end in the background
+            jobs = [job for job in jobs if id(job) not in self._receiving]
         errors = []
         for job in jobs:
             try:
@@ -201,7 +251,12 @@ class LayerwiseStep:
         host.forget(self)
         with self._lock:
             if self._result is None:
-                self._result = self._load_outcome.result().merged(self._save_outcome.result())
+                loads = (
+                    self._load_outcome.result()
+                    if self._loads_given_up is None
+                    else self._given_up_result()
+                )
+                self._result = loads.merged(self._save_outcome.result())
             result = self._result
         if errors:
             raise errors[0]
@@ -230,7 +285,7 @@ class LayerwiseStep:
             if not self._ended:
                 self._ended = True
                 self._schedule_reads(len(self._reads.layers))
-                self._jobs.append(host.receive(end_reads))
+                self._jobs.append(self._receive(end_reads))
                 self._jobs.append(host.send(end_writes))
             return list(self._jobs)
 
@@ -244,6 +299,11 @@ class LayerwiseStep:
         layers = self._reads.layers
         while len(self._read_jobs) < min(count, len(layers)):
             layer = layers[len(self._read_jobs)]
-            job = self._host.receive(functools.partial(self._reads.read, layer))
+            job = self._receive(functools.partial(self._reads.read, layer))
             self._read_jobs.append(job)
             self._jobs.append(job)
+
+    def _receive(self, work: Callable[[], None]) -> Job:
+        job = self._host.receive(work)
+        self._receiving.add(id(job))
+        return job
