@@ -24,6 +24,7 @@ import pytest
 from _engine_drive import engine_for, read_object
 from _engine_model import NUM_LAYERS, Caches, transfers
 
+from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.errors import Status
 from hybridkv.transport.memory_store import MemoryStore
 from hybridkv.transport.store import Pointers, Sizes
@@ -184,3 +185,45 @@ def test_a_layerwise_step_gives_its_loads_up_at_the_deadline_and_writes_nothing_
         assert waited < 0.9
     else:
         assert waited >= 0.5
+
+
+def test_a_layerwise_step_finished_without_waiting_for_a_layer_still_gives_its_loads_up() -> None:
+    store = GatedStore("get")
+    caches = Caches(8)
+    caches.fill()
+    engine = engine_for(store, caches, "staged")
+    try:
+        assert engine.save(transfers({0: [0, 1]}, "w", "k")).wait(timeout=30).ok
+        step = engine.begin_layerwise(loads=transfers({0: [4, 5]}, "r", "k"), load_deadline_s=0.3)
+        assert store.entered.wait(timeout=10)
+        started = time.monotonic()
+        result = step.finish()  # a step drained after an error: no layer was waited for
+        waited = time.monotonic() - started
+    finally:
+        store.gate.set()
+        engine.close()
+    assert waited < 0.9
+    assert result.failed_blocks == {0: {4, 5}}
+
+
+def test_a_layerwise_step_without_loads_never_waits_behind_a_stalled_load() -> None:
+    store = GatedStore("get")
+    caches = Caches(8)
+    caches.fill()
+    engine = engine_for(store, caches, "staged")
+    try:
+        assert engine.save(transfers({0: [0, 1]}, "w", "k")).wait(timeout=30).ok
+        stalled_load = engine.load(transfers({0: [4, 5]}, "r", "k"))  # a background load
+        assert store.entered.wait(timeout=10)
+        step = engine.begin_layerwise(saves=transfers({0: [2]}, "s", "saved"))
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        started = time.monotonic()
+        result = step.finish()
+        waited = time.monotonic() - started
+    finally:
+        store.gate.set()
+        engine.close()
+    assert waited < 1.0  # not the stalled load's call
+    assert result.ok
+    assert stalled_load.wait(timeout=30).ok

@@ -137,6 +137,19 @@ class LayerwiseStep:
                 return self._give_up_loads()
         return self._load_outcome.failed_blocks()
 
+    def _await_reads(self, jobs: Sequence[Job]) -> None:
+        """Wait for the receive thread's jobs until the load deadline (then give the loads
+        up); what they raised is raised by the caller's own wait."""
+        for job in jobs:
+            if id(job) in self._receiving:
+                try:
+                    job.wait(self._load_time_left())
+                except TimeoutError:
+                    self._give_up_loads()
+                    return
+                except BaseException:
+                    continue
+
     def _load_time_left(self) -> float | None:
         due = self._loads_due
         return None if due is None else max(0.0, due - time.monotonic())
@@ -236,6 +249,8 @@ class LayerwiseStep:
         """
         host = self._host
         jobs = self._end()
+        if self._loads_given_up is None:
+            self._await_reads(jobs)
         if self._loads_given_up is not None:  # their calls end in the background
             jobs = [job for job in jobs if id(job) not in self._receiving]
         errors = []
@@ -285,7 +300,8 @@ class LayerwiseStep:
             if not self._ended:
                 self._ended = True
                 self._schedule_reads(len(self._reads.layers))
-                self._jobs.append(self._receive(end_reads))
+                if self._reads.batches:  # else nothing to end: not queued behind others' gets
+                    self._jobs.append(self._receive(end_reads))
                 self._jobs.append(host.send(end_writes))
             return list(self._jobs)
 
