@@ -21,8 +21,9 @@ third step, which then saves again and is given up in turn (its deadline plus th
 
 Loads: a step's load (before the forward) and a background load (vLLM's async path) from
 the stalled holder are given up at the deadline (in place: plus the one call in flight);
-every block fails, vLLM recomputes into them (garbage here), and once the holder runs
-again and the gets given up end, none of what they brought was written into the caches.
+every block fails and its key goes to quarantine (asked again, it would wait on the same
+stalled holder), vLLM recomputes into them (garbage here), and once the holder runs again
+and the gets given up end, none of what they brought was written into the caches.
 """
 
 from __future__ import annotations
@@ -218,6 +219,7 @@ def test_a_load_from_a_stalled_holder_is_given_up_at_its_deadline_and_writes_not
                 failed = side.worker.take_load_errors()
             waited = time.monotonic() - started
             side.cache[:, LOADED.start : LOADED.stop] = GARBAGE  # vLLM recomputes them
+        quarantined = side.worker.take_failed_keys()
         ended = side.loads_ended()
         late = side.cache[:, LOADED.start : LOADED.stop].ne(GARBAGE).sum().item()
         totals = side.worker.totals.snapshot(reset=True)
@@ -227,5 +229,7 @@ def test_a_load_from_a_stalled_holder_is_given_up_at_its_deadline_and_writes_not
     assert waited < bound + 2.0  # not the store's timeout per call (5 s each, four calls)
     assert failed == ({"reader"} if background else set(LOADED))
     assert totals["failed_load_blocks"] == len(FIRST)
+    # Asked again, they would wait on the same stalled holder: quarantined.
+    assert quarantined == {side.key(block) for block in FIRST}
     assert ended
     assert late == 0

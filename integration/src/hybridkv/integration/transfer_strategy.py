@@ -112,6 +112,12 @@ def all_failed(transfers: Sequence[BlockTransfer], blamed: Collection[str] = ())
     return TransferResult(failed_blocks=failed, failed_keys=keys, unblamed_keys=unblamed)
 
 
+def given_up(transfers: Sequence[BlockTransfer]) -> TransferResult:
+    """The result of a load given up at its deadline: every block failed, every key to
+    blame (quarantined: read again, it would wait on the same stalled holder)."""
+    return all_failed(transfers, [transfer.key for transfer in transfers])
+
+
 class WholeBlocks:
     """Each object in one piece: loads complete before the forward (or are given up at
     `load_deadline_s`), saves start after it."""
@@ -143,7 +149,7 @@ class WholeBlocks:
                     len(loads),
                     self._load_deadline_s,
                 )
-                self._loaded = all_failed(loads, ticket.blamed_keys())
+                self._loaded = given_up(loads)
             except Exception:  # what the store failed before is still to blame
                 self._loaded = all_failed(loads, ticket.blamed_keys())
                 raise

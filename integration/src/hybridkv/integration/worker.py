@@ -22,7 +22,12 @@ from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
 from hybridkv.integration.step_state import StepState
 from hybridkv.integration.topologies import WriterReads
-from hybridkv.integration.transfer_strategy import PendingSave, TransferStrategy, all_failed
+from hybridkv.integration.transfer_strategy import (
+    PendingSave,
+    TransferStrategy,
+    all_failed,
+    given_up,
+)
 from hybridkv.transport import BlockTransfer, Event, Ticket, TransferEngine, TransferResult
 
 logger = logging.getLogger(__name__)
@@ -398,7 +403,7 @@ class WorkerSide:
                 request_id,
                 self._load_deadline_s,
             )
-            self._record_load(all_failed(transfers, ticket.blamed_keys()), request_id)
+            self._record_load(given_up(transfers), request_id)
         for request_id in done:
             ticket, transfers, _ = self._async_loads.pop(request_id)
             try:

@@ -72,8 +72,8 @@ class LayerwiseStep:
     raises.
 
     Loads still running `load_deadline_s` after the step began are given up: called off
-    (no write into the caches once `wait_layer_loaded` returns), every load block fails,
-    and `finish()` no longer waits for them (their store calls end in the background).
+    (no write into the caches once `wait_layer_loaded` returns), every load block fails and
+    is blamed, and `finish()` no longer waits for them (their calls end in the background).
     """
 
     def __init__(
@@ -170,14 +170,11 @@ class LayerwiseStep:
         return {group: set(blocks) for group, blocks in failed.items()}
 
     def _given_up_result(self) -> TransferResult:
-        """Every load failed; only the keys the store failed before are to blame."""
+        """Every load failed, and is to blame (see `blamed_loads`)."""
         assert self._loads_given_up is not None
-        blamed = set(self._load_outcome.result().blamed_keys)
-        keys = [key for batch in self._reads.batches.values() for key in batch.keys]
         return TransferResult(
             failed_blocks={group: set(blocks) for group, blocks in self._loads_given_up.items()},
-            failed_keys=keys,
-            unblamed_keys=[key for key in keys if key not in blamed],
+            failed_keys=self._load_keys(),
         )
 
     def blamed_loads(self) -> list[str]:
@@ -187,8 +184,15 @@ class LayerwiseStep:
         Unlike `wait_layer_loaded`, safe once the step raised. Blocks a client error
         failed (every block its call or any later layer touched), or a call the master
         did not answer, are failed but not counted here: no object is at fault there.
+        Loads given up at their deadline count whole: read again, they would wait on the
+        same stalled holder.
         """
+        if self._loads_given_up is not None:
+            return self._load_keys()
         return self._load_outcome.result().blamed_keys
+
+    def _load_keys(self) -> list[str]:
+        return [key for batch in self._reads.batches.values() for key in batch.keys]
 
     def save_layer(self, layer: int, event: Event) -> None:
         """Queue layer `layer`'s saves; they read its KV only after `event`.
