@@ -24,6 +24,7 @@ import pytest
 from _engine_drive import engine_for, read_object
 from _engine_model import NUM_LAYERS, Caches, transfers
 
+from hybridkv.transport import TransferEngine
 from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.errors import Status
 from hybridkv.transport.memory_store import MemoryStore
@@ -100,18 +101,34 @@ def test_a_called_off_save_never_stores_what_it_had_not_read() -> None:
 REUSED = 7  # what vLLM writes into the blocks once the load was given up
 
 
+def saved_behind_a_gate(
+    granularity: str, names: Sequence[str] = ("k",), **options: float
+) -> tuple[GatedStore, Caches, TransferEngine]:
+    """An engine over a store whose gets wait at its gate, with blocks 0 and 1 of group 0
+    saved under each of `names` (the request id and key prefix)."""
+    store = GatedStore("get")
+    caches = Caches(8)
+    caches.fill()
+    engine = engine_for(store, caches, granularity, **options)
+    try:
+        for name in names:
+            assert engine.save(transfers({0: [0, 1]}, name, name)).wait(timeout=30).ok
+    except BaseException:
+        engine.close()
+        raise
+    return store, caches, engine
+
+
 @pytest.mark.parametrize("granularity", ["staged", "group"])
 def test_a_called_off_load_never_writes_the_caches_after_its_call_off_returned(
     granularity: str,
 ) -> None:
-    store = GatedStore("get")
-    caches = Caches(8)
-    caches.fill()
-    engine = engine_for(store, caches, granularity, max_transfer_blocks=1)  # a call per block
+    # One call per block.
+    store, caches, engine = saved_behind_a_gate(
+        granularity, ("first", "second"), max_transfer_blocks=1
+    )
     targets = [4, 5, 6, 7]
     try:
-        for name in ("first", "second"):
-            assert engine.save(transfers({0: [0, 1]}, name, name)).wait(timeout=30).ok
         first = engine.load(transfers({0: targets[:2]}, "first", "first"))
         second = engine.load(transfers({0: targets[2:]}, "second", "second"))
         assert store.entered.wait(timeout=10)  # the first load's get hangs
@@ -146,15 +163,11 @@ def test_a_called_off_load_never_writes_the_caches_after_its_call_off_returned(
 def test_a_layerwise_step_gives_its_loads_up_at_the_deadline_and_writes_nothing_after(
     granularity: str,
 ) -> None:
-    store = GatedStore("get")
-    caches = Caches(8)
-    caches.fill()
-    engine = engine_for(store, caches, granularity)
+    store, caches, engine = saved_behind_a_gate(granularity)
     targets = [4, 5]
     # In place ("layer"), the get in progress is waited for: the gate opens after 1 s.
     opener = threading.Timer(1.0, store.gate.set)
     try:
-        assert engine.save(transfers({0: [0, 1]}, "w", "k")).wait(timeout=30).ok
         step = engine.begin_layerwise(loads=transfers({0: targets}, "r", "k"), load_deadline_s=0.3)
         assert store.entered.wait(timeout=10)
         if granularity == "layer":
@@ -190,12 +203,8 @@ def test_a_layerwise_step_gives_its_loads_up_at_the_deadline_and_writes_nothing_
 
 
 def test_a_layerwise_step_finished_without_waiting_for_a_layer_still_gives_its_loads_up() -> None:
-    store = GatedStore("get")
-    caches = Caches(8)
-    caches.fill()
-    engine = engine_for(store, caches, "staged")
+    store, _, engine = saved_behind_a_gate("staged")
     try:
-        assert engine.save(transfers({0: [0, 1]}, "w", "k")).wait(timeout=30).ok
         step = engine.begin_layerwise(loads=transfers({0: [4, 5]}, "r", "k"), load_deadline_s=0.3)
         assert store.entered.wait(timeout=10)
         started = time.monotonic()
@@ -209,12 +218,8 @@ def test_a_layerwise_step_finished_without_waiting_for_a_layer_still_gives_its_l
 
 
 def test_a_layerwise_step_without_loads_never_waits_behind_a_stalled_load() -> None:
-    store = GatedStore("get")
-    caches = Caches(8)
-    caches.fill()
-    engine = engine_for(store, caches, "staged")
+    store, _, engine = saved_behind_a_gate("staged")
     try:
-        assert engine.save(transfers({0: [0, 1]}, "w", "k")).wait(timeout=30).ok
         stalled_load = engine.load(transfers({0: [4, 5]}, "r", "k"))  # a background load
         assert store.entered.wait(timeout=10)
         step = engine.begin_layerwise(saves=transfers({0: [2]}, "s", "saved"))
