@@ -234,3 +234,23 @@ def test_a_layerwise_step_without_loads_never_waits_behind_a_stalled_load() -> N
     assert waited < 1.0  # not the stalled load's call
     assert result.ok
     assert stalled_load.wait(timeout=30).ok
+
+
+def test_a_slow_forward_does_not_spend_a_layerwise_step_s_load_deadline() -> None:
+    """The forward paces the reads (none prefetched here): only its waits count."""
+    store = MemoryStore()
+    caches = Caches(8)
+    caches.fill()
+    engine = engine_for(store, caches, "layer", prefetch_layers=0)
+    try:
+        assert engine.save(transfers({0: [0, 1]}, "k", "k")).wait(timeout=30).ok
+        step = engine.begin_layerwise(loads=transfers({0: [4, 5]}, "r", "k"), load_deadline_s=0.2)
+        failed = []
+        for layer in range(NUM_LAYERS):
+            time.sleep(0.1)  # the layers' compute, 0.4 s in all
+            failed.append(step.wait_layer_loaded(layer))
+        result = step.finish()
+    finally:
+        engine.close()
+    assert failed == [{}] * NUM_LAYERS
+    assert result.ok

@@ -88,8 +88,8 @@ class LayerwiseStrategy:
     reports, or by `wait_for_save`). `always_report`: the reporters that call in at every
     forward; a later layer never carries one still waiting for them. `new_event` makes the
     device event of the compute stream (`hybridkv.transport.make_event(device)` in
-    production). A step's loads still running `load_deadline_s` after it began are given
-    up: every one of them fails (vLLM recomputes them).
+    production). Once a step waited `load_deadline_s` in all for its loads, those still
+    running are given up: every one of them fails (vLLM recomputes them).
     """
 
     def __init__(

@@ -176,7 +176,8 @@ class TransferEngine:
         load_deadline_s: float | None = None,
     ) -> LayerwiseStep:
         """Start one forward step's transfers: prefetch loads, open saves; loads still
-        running `load_deadline_s` from now are given up (see `LayerwiseStep`).
+        running once the step waited `load_deadline_s` for them are given up (see
+        `LayerwiseStep`).
 
         Loads write the caches only after `ready` (earlier work on the compute stream, e.g.
         vLLM zeroing new blocks); `wait_layer_loaded(layer, ready)` moves that point on for

@@ -71,9 +71,11 @@ class LayerwiseStep:
     `finish()` of a later step still riding on an open step's writes; then `save_layer`
     raises.
 
-    Loads still running `load_deadline_s` after the step began are given up: called off
-    (no write into the caches once `wait_layer_loaded` returns), every load block fails and
-    is blamed, and `finish()` no longer waits for them (their calls end in the background).
+    Once the step has waited `load_deadline_s` in all for its loads (the forward paces the
+    reads, so the step's age would count slow compute too), the loads still running are
+    given up: called off (no write into the caches once `wait_layer_loaded` returns), every
+    load block fails and is blamed, and `finish()` no longer waits for them (their calls
+    end in the background).
     """
 
     def __init__(
@@ -89,8 +91,8 @@ class LayerwiseStep:
         """`reads` of `loads` and `writes` of `claim`'s saves, both of this step's
         granularity; the engine began counting the loads and claimed the saves."""
         self._host = host
-        self._loads_due = None if load_deadline_s is None else time.monotonic() + load_deadline_s
         self._load_deadline_s = load_deadline_s
+        self._load_wait_left = load_deadline_s  # None: no deadline
         self._loads_given_up: dict[int, set[int]] | None = None
         self._receiving: set[int] = set()  # ids of the jobs on the receive thread
         self._load_outcome = reads.outcome
@@ -130,9 +132,9 @@ class LayerwiseStep:
             self._schedule_reads(needed + self._host.prefetch_layers)
         if needed:
             try:
-                self._jobs[0].wait(self._load_time_left())  # the session start
+                self._await_load(self._jobs[0])  # the session start
                 for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
-                    job.wait(self._load_time_left())  # raises the first error
+                    self._await_load(job)  # raises the first error
             except TimeoutError:
                 return self._give_up_loads()
         return self._load_outcome.failed_blocks()
@@ -143,16 +145,25 @@ class LayerwiseStep:
         for job in jobs:
             if id(job) in self._receiving:
                 try:
-                    job.wait(self._load_time_left())
+                    self._await_load(job)
                 except TimeoutError:
                     self._give_up_loads()
                     return
                 except BaseException:
                     continue
 
-    def _load_time_left(self) -> float | None:
-        due = self._loads_due
-        return None if due is None else max(0.0, due - time.monotonic())
+    def _await_load(self, job: Job) -> None:
+        """`job.wait()` within what is left of the step's wait for loads; TimeoutError once
+        that is spent."""
+        left = self._load_wait_left
+        if left is None:
+            job.wait()
+            return
+        started = time.monotonic()
+        try:
+            job.wait(left)
+        finally:
+            self._load_wait_left = max(0.0, left - (time.monotonic() - started))
 
     def _give_up_loads(self) -> dict[int, set[int]]:
         """Call the loads off (an in-place call in progress ends first) and fail them all."""
@@ -162,8 +173,8 @@ class LayerwiseStep:
             failed.setdefault(batch.layout.block_group, set()).update(map(int, batch.blocks))
         self._loads_given_up = failed
         log.warning(
-            "layerwise loads of %d blocks still running after load_deadline_s (%g s): given "
-            "up, every one fails",
+            "layerwise loads of %d blocks still running after the step waited "
+            "load_deadline_s (%g s) for them: given up, every one fails",
             sum(len(blocks) for blocks in failed.values()),
             self._load_deadline_s,
         )
