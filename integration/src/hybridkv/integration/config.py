@@ -38,6 +38,7 @@ _SECONDS_KEYS = (
     "lookup_probe_backoff_s",
     "lookup_probe_max_backoff_s",
     "save_deadline_s",
+    "load_deadline_s",
 )
 
 
@@ -95,6 +96,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # the saves still running; then it gives them up: they count as failed, and what they
     # had not read from the caches yet is never stored.
     save_deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    # A load still running this long is given up (before the forward, in the background,
+    # or a layer-by-layer step's once the forward waited this long for it in all): its
+    # blocks fail, vLLM recomputes them; nothing it brings later is written into the caches.
+    load_deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     # False: never look up or load (the instance only stores), whatever its role.
     enable_lookup: bool = True
     # vLLM MooncakeStoreConnector's asynchronous lookup: hybridkv's lookup is one round trip

@@ -27,6 +27,7 @@ class TransferMode:
 
     layerwise: bool
     options: PipelineOptions
+    load_deadline_s: float = 10.0  # see ConnectorConfig.load_deadline_s
 
     @classmethod
     def choose(
@@ -44,6 +45,7 @@ class TransferMode:
                 staging_bytes=config.staging_bytes,
                 full_pool_pause_s=config.full_pool_pause_s,
             ),
+            load_deadline_s=config.load_deadline_s,
         )
 
     @property
@@ -58,8 +60,8 @@ class TransferMode:
             from hybridkv.integration.layerwise.vllm_window import build_vllm_layerwise
 
             context = vllm_config.compilation_config.static_forward_context
-            return build_vllm_layerwise(engine, context, device, vllm_config)
-        return WholeBlocks(engine, lambda: make_event(device))
+            return build_vllm_layerwise(engine, context, device, vllm_config, self.load_deadline_s)
+        return WholeBlocks(engine, lambda: make_event(device), self.load_deadline_s)
 
 
 def granularity(config: ConnectorConfig, device: str, rdma: bool, contiguous: bool) -> Granularity:

@@ -22,10 +22,13 @@ the next step's first hook where vLLM calls that before it writes any block, els
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from hybridkv.transport import BlockTransfer, Event, TransferEngine, TransferResult
+
+logger = logging.getLogger(__name__)
 
 # One step's loads or saves.
 Transfers = Sequence[BlockTransfer]
@@ -109,12 +112,25 @@ def all_failed(transfers: Sequence[BlockTransfer], blamed: Collection[str] = ())
     return TransferResult(failed_blocks=failed, failed_keys=keys, unblamed_keys=unblamed)
 
 
-class WholeBlocks:
-    """Each object in one piece: loads complete before the forward, saves start after it."""
+def given_up(transfers: Sequence[BlockTransfer]) -> TransferResult:
+    """The result of a load given up at its deadline: every block failed, every key to
+    blame (quarantined: read again, it would wait on the same stalled holder)."""
+    return all_failed(transfers, [transfer.key for transfer in transfers])
 
-    def __init__(self, engine: TransferEngine, new_event: Callable[[], Event]) -> None:
+
+class WholeBlocks:
+    """Each object in one piece: loads complete before the forward (or are given up at
+    `load_deadline_s`), saves start after it."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        new_event: Callable[[], Event],
+        load_deadline_s: float = 10.0,
+    ) -> None:
         self.engine = engine
         self._new_event = new_event
+        self._load_deadline_s = load_deadline_s
         self._loaded = TransferResult()
         self._saves: list[BlockTransfer] = []
 
@@ -124,7 +140,16 @@ class WholeBlocks:
         if loads:
             ticket = self.engine.load(loads)
             try:
-                self._loaded = ticket.wait()
+                self._loaded = ticket.wait(self._load_deadline_s)
+            except TimeoutError:  # given up: it writes the caches no more once called off
+                ticket.call_off()
+                logger.warning(
+                    "hybridkv: a load of %d blocks still running after load_deadline_s "
+                    "(%g s): given up, vLLM recomputes them",
+                    len(loads),
+                    self._load_deadline_s,
+                )
+                self._loaded = given_up(loads)
             except Exception:  # what the store failed before is still to blame
                 self._loaded = all_failed(loads, ticket.blamed_keys())
                 raise

@@ -22,7 +22,12 @@ from hybridkv.integration.metadata import BlockRef, HybridKVMetadata
 from hybridkv.integration.stats import Counters
 from hybridkv.integration.step_state import StepState
 from hybridkv.integration.topologies import WriterReads
-from hybridkv.integration.transfer_strategy import PendingSave, TransferStrategy, all_failed
+from hybridkv.integration.transfer_strategy import (
+    PendingSave,
+    TransferStrategy,
+    all_failed,
+    given_up,
+)
 from hybridkv.transport import BlockTransfer, Event, Ticket, TransferEngine, TransferResult
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ class WorkerSide:
         saves_outlive_step: bool = True,
         save_deadline_s: float = 10.0,
         writer_reads: WriterReads | None = None,
+        load_deadline_s: float = 10.0,
     ) -> None:
         """`any_rank(flag)`: whether the flag is set on any TP rank, called by every rank
         of the TP group together (None: this rank alone). `steps_ahead`: how many steps
@@ -63,7 +69,8 @@ class WorkerSide:
         block; else every save completes within `wait_for_save`. `save_deadline_s`: how
         long the barrier waits in all for the saves still running. `writer_reads`: how
         this rank reads another writer topology's objects (loads whose metadata names
-        it)."""
+        it). `load_deadline_s`: how long a background load may run before it is given up
+        (the strategy bounds the step's own loads)."""
         if keys.stages != 1:
             raise ValueError(
                 f"a worker moves one pipeline stage's objects, not {keys.stages} stages': "
@@ -75,6 +82,7 @@ class WorkerSide:
         self._steps_ahead = steps_ahead
         self._saves_outlive_step = saves_outlive_step
         self._save_deadline_s = save_deadline_s
+        self._load_deadline_s = load_deadline_s
         self.engine = engine
         self.strategy = strategy
         self.tp_rank = tp_rank
@@ -97,7 +105,8 @@ class WorkerSide:
         self._announce: dict[str, HeadStored] = {}
         self._stored: list[HeadStored] = []
         self._async_waiting: dict[str, list[BlockTransfer]] = {}
-        self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer]]] = {}
+        # Background loads: ticket, transfers, and when they are given up (monotonic).
+        self._async_loads: dict[str, tuple[Ticket, list[BlockTransfer], float]] = {}
         self._unstarted: dict[str, list[BlockTransfer]] = {}  # background loads that raised
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
@@ -303,9 +312,11 @@ class WorkerSide:
         # own hit ends inside, which the load then overwrites from that hit on.
         ready = self._new_event()
         ready.record()
+        due = time.monotonic() + self._load_deadline_s
         for request_id, transfers in waiting.items():
             try:
-                self._async_loads[request_id] = (self.engine.load(transfers, ready), transfers)
+                ticket = self.engine.load(transfers, ready)
+                self._async_loads[request_id] = (ticket, transfers, due)
             except Exception:  # reported as a failed load: vLLM computes the request
                 logger.exception("hybridkv: starting the background load of %s failed", request_id)
                 self._unstarted[request_id] = transfers
@@ -373,15 +384,28 @@ class WorkerSide:
         )
 
     def finished(self) -> set[str]:
-        """Async loads that completed (their failures already reported: see `_record_load`).
+        """Async loads that completed, or that ran past `load_deadline_s` and were given up
+        (their failures already reported: see `_record_load`).
 
         vLLM's `finished_req_ids` of the step are not released here: `begin_step` did (the
         metadata's `finished`), and a new request may own keys under one of those ids since."""
         if self._step.idle:
             self._wait_for_a_load()
-        done = {rid for rid, (ticket, _) in self._async_loads.items() if ticket.done}
+        now = time.monotonic()
+        done = {rid for rid, (ticket, _, _) in self._async_loads.items() if ticket.done}
+        late = {rid for rid, (_, _, due) in self._async_loads.items() if now >= due} - done
+        for request_id in late:
+            ticket, transfers, _ = self._async_loads.pop(request_id)
+            ticket.call_off()  # it writes the caches no more: vLLM may compute the request
+            logger.warning(
+                "hybridkv: the background load of %s still running after load_deadline_s "
+                "(%g s): given up, vLLM computes the request",
+                request_id,
+                self._load_deadline_s,
+            )
+            self._record_load(given_up(transfers), request_id)
         for request_id in done:
-            ticket, transfers = self._async_loads.pop(request_id)
+            ticket, transfers, _ = self._async_loads.pop(request_id)
             try:
                 self._record_load(ticket.wait(), request_id)
             except Exception:  # the client raised: only what the store failed is to blame
@@ -390,7 +414,7 @@ class WorkerSide:
         unstarted, self._unstarted = self._unstarted, {}
         for request_id, transfers in unstarted.items():
             self._record_load(all_failed(transfers, []), request_id)
-        return done | unstarted.keys()
+        return done | late | unstarted.keys()
 
     def _wait_for_a_load(self) -> None:
         """On a step that computed nothing, wait (at most IDLE_LOAD_WAIT_S) for a
@@ -398,7 +422,7 @@ class WorkerSide:
         competing with the load for the CPU, until one reports it."""
         deadline = time.monotonic() + IDLE_LOAD_WAIT_S
         while self._async_loads and time.monotonic() < deadline:
-            if any(ticket.done for ticket, _ in self._async_loads.values()):
+            if any(ticket.done for ticket, _, _ in self._async_loads.values()):
                 return
             time.sleep(IDLE_POLL_S)
 
@@ -435,7 +459,7 @@ class WorkerSide:
     def close(self) -> None:
         self.strategy.close()
         self.barrier()
-        for ticket, _ in self._async_loads.values():
+        for ticket, _, _ in self._async_loads.values():
             try:
                 ticket.wait()
             except Exception:

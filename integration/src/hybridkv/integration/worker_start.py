@@ -86,4 +86,5 @@ def new_worker_side(
         saves_outlive_step=preemptions_come_first(vllm_config, device),
         save_deadline_s=save_deadline_s,
         writer_reads=reads,
+        load_deadline_s=mode.load_deadline_s,
     )

@@ -88,7 +88,8 @@ class LayerwiseStrategy:
     reports, or by `wait_for_save`). `always_report`: the reporters that call in at every
     forward; a later layer never carries one still waiting for them. `new_event` makes the
     device event of the compute stream (`hybridkv.transport.make_event(device)` in
-    production).
+    production). Once a step waited `load_deadline_s` in all for its loads, those still
+    running are given up: every one of them fails (vLLM recomputes them).
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class LayerwiseStrategy:
         reporters: Mapping[str, int],
         new_event: Callable[[], Event],
         always_report: Collection[str] = (),
+        load_deadline_s: float | None = None,
     ) -> None:
         unknown = sorted(name for name, layer in reporters.items() if layer not in set(layers))
         if unknown:
@@ -107,6 +109,7 @@ class LayerwiseStrategy:
         self._reporters = dict(reporters)
         self._always_report = frozenset(always_report) & set(reporters)
         self._new_event = new_event
+        self._load_deadline_s = load_deadline_s
         self._state: _StepState | None = None
         # The keys whose reads the store failed in the step drained last (see `abort`).
         self._drained_blame: list[str] = []
@@ -141,7 +144,7 @@ class LayerwiseStrategy:
         unreported: dict[int, set[str]] = {layer: set() for layer in self._layers}
         for name, layer in self._reporters.items():
             unreported[layer].add(name)
-        step = self._engine.begin_layerwise(loads, saves)
+        step = self._engine.begin_layerwise(loads, saves, load_deadline_s=self._load_deadline_s)
         # A step with nothing to put submits no layer (a decode step, mostly).
         unsubmitted = list(self._layers) if saves else []
         self._state = _StepState(

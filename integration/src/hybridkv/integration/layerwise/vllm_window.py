@@ -297,6 +297,7 @@ def build_vllm_layerwise(
     static_forward_context: Mapping[str, Any],
     device: str,
     vllm_config: Any = None,
+    load_deadline_s: float | None = None,
 ) -> VllmLayerwise:
     """Everything the worker needs, from its engine and the model's layer modules.
 
@@ -318,6 +319,7 @@ def build_vllm_layerwise(
         reporters={name: layer_of[name] for name in plan.reporters},
         new_event=lambda: make_event(device),
         always_report=plan.windows | plan.after_kernel,
+        load_deadline_s=load_deadline_s,
     )
     sizes = {group: layout.object_size for group, layout in engine.layouts.items()}
     layerwise = VllmLayerwise(

@@ -56,8 +56,9 @@ class LayerwiseStagedReads(StagedReads):
         if any(batch.layout.contiguous and batch.alive.any() for batch in self.batches.values()):
             self.caches_writable()  # contiguous objects are fetched straight into the caches
         parts = self.options.split(call.nbytes, call.pieces)
+        send = self.touching_caches(call, self._get_whole(call))
         self._fetch = self.pool.gets.submit(
-            self.issue_serially, call, parts, "batch_get_whole", self._get_whole(call)
+            self.issue_serially, call, parts, "batch_get_whole", send
         )
 
     def read_layer(self, layer: int) -> None:
@@ -108,10 +109,13 @@ class LayerwiseStagedReads(StagedReads):
         """Copy one layer of every staged group into the caches; free the slabs of the
         groups whose last layer this was."""
         self.caches_writable()
-        for batch in self._staged:
-            entries = batch.layout.entries_of_layer(layer)
-            if entries:
-                batch.copy_rows(batch.live(), into_staging=False, entries=entries)
+        with self.outcome.cache_access.touching() as allowed:
+            if not allowed:  # given up: the caches' blocks may hold other KV by now
+                self.fail_all(self._staged, blamed=False)
+            for batch in self._staged:
+                entries = batch.layout.entries_of_layer(layer)
+                if entries:
+                    batch.copy_rows(batch.live(), into_staging=False, entries=entries)
         completed = claims.scattered(layer)
         self.unstage([batch for batch in self._staged if batch.layout.group_id in completed])
 

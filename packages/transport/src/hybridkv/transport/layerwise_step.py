@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -21,6 +23,8 @@ from hybridkv.transport.ownership import BlockTransfer, Claim
 from hybridkv.transport.pipeline import Backlog, Job
 from hybridkv.transport.reads import Reads
 from hybridkv.transport.writes import Writes
+
+log = logging.getLogger(__name__)
 
 
 class StepHost(Protocol):
@@ -66,6 +70,12 @@ class LayerwiseStep:
     The step ends (its end jobs are queued) once: at its first `finish()`, or at the
     `finish()` of a later step still riding on an open step's writes; then `save_layer`
     raises.
+
+    Once the step has waited `load_deadline_s` in all for its loads (the forward paces the
+    reads, so the step's age would count slow compute too), the loads still running are
+    given up: called off (no write into the caches once `wait_layer_loaded` returns), every
+    load block fails and is blamed, and `finish()` no longer waits for them (their calls
+    end in the background).
     """
 
     def __init__(
@@ -76,10 +86,15 @@ class LayerwiseStep:
         claim: Claim,
         writes: Writes,
         ready: Event | None = None,
+        load_deadline_s: float | None = None,
     ) -> None:
         """`reads` of `loads` and `writes` of `claim`'s saves, both of this step's
         granularity; the engine began counting the loads and claimed the saves."""
         self._host = host
+        self._load_deadline_s = load_deadline_s
+        self._load_wait_left = load_deadline_s  # None: no deadline
+        self._loads_given_up: dict[int, set[int]] | None = None
+        self._receiving: set[int] = set()  # ids of the jobs on the receive thread
         self._load_outcome = reads.outcome
         self._reads = reads
         self._reads.ready = ready
@@ -97,7 +112,7 @@ class LayerwiseStep:
         self._ended = False
         self._result: TransferResult | None = None
         if self._reads.batches:
-            self._jobs.append(host.receive(self._reads.begin))
+            self._jobs.append(self._receive(self._reads.begin))
             self._schedule_reads(host.prefetch_layers + 1)
         self._jobs.append(host.send(functools.partial(host.prepare, self._writes)))
 
@@ -108,16 +123,70 @@ class LayerwiseStep:
         must not use them and reports them to vLLM for recomputation. `ready`, if given,
         is the caches' current ready point: loads that have not written yet wait for it.
         """
+        if self._loads_given_up is not None:
+            return {group: set(blocks) for group, blocks in self._loads_given_up.items()}
         if ready is not None:
             self._reads.ready = ready
         needed = bisect.bisect_right(self._reads.layers, layer)
         with self._lock:
             self._schedule_reads(needed + self._host.prefetch_layers)
         if needed:
-            self._jobs[0].wait()  # the session start
-            for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
-                job.wait()  # raises the first error
+            try:
+                self._await_load(self._jobs[0])  # the session start
+                for job in self._read_jobs[:needed]:  # a caller may skip layers: check each
+                    self._await_load(job)  # raises the first error
+            except TimeoutError:
+                return self._give_up_loads()
         return self._load_outcome.failed_blocks()
+
+    def _await_reads(self, jobs: Sequence[Job]) -> None:
+        """Wait for the receive thread's jobs until the load deadline (then give the loads
+        up); what they raised is raised by the caller's own wait."""
+        for job in jobs:
+            if id(job) in self._receiving:
+                try:
+                    self._await_load(job)
+                except TimeoutError:
+                    self._give_up_loads()
+                    return
+                except BaseException:
+                    continue
+
+    def _await_load(self, job: Job) -> None:
+        """`job.wait()` within what is left of the step's wait for loads; TimeoutError once
+        that is spent."""
+        left = self._load_wait_left
+        if left is None:
+            job.wait()
+            return
+        started = time.monotonic()
+        try:
+            job.wait(left)
+        finally:
+            self._load_wait_left = max(0.0, left - (time.monotonic() - started))
+
+    def _give_up_loads(self) -> dict[int, set[int]]:
+        """Call the loads off (an in-place call in progress ends first) and fail them all."""
+        self._load_outcome.cache_access.call_off()
+        failed: dict[int, set[int]] = {}
+        for batch in self._reads.batches.values():
+            failed.setdefault(batch.layout.block_group, set()).update(map(int, batch.blocks))
+        self._loads_given_up = failed
+        log.warning(
+            "layerwise loads of %d blocks still running after the step waited "
+            "load_deadline_s (%g s) for them: given up, every one fails",
+            sum(len(blocks) for blocks in failed.values()),
+            self._load_deadline_s,
+        )
+        return {group: set(blocks) for group, blocks in failed.items()}
+
+    def _given_up_result(self) -> TransferResult:
+        """Every load failed, and is to blame (see `blamed_loads`)."""
+        assert self._loads_given_up is not None
+        return TransferResult(
+            failed_blocks={group: set(blocks) for group, blocks in self._loads_given_up.items()},
+            failed_keys=self._load_keys(),
+        )
 
     def blamed_loads(self) -> list[str]:
         """Keys whose reads the store failed so far (a status about them): the objects to
@@ -126,8 +195,15 @@ class LayerwiseStep:
         Unlike `wait_layer_loaded`, safe once the step raised. Blocks a client error
         failed (every block its call or any later layer touched), or a call the master
         did not answer, are failed but not counted here: no object is at fault there.
+        Loads given up at their deadline count whole: read again, they would wait on the
+        same stalled holder.
         """
+        if self._loads_given_up is not None:
+            return self._load_keys()
         return self._load_outcome.result().blamed_keys
+
+    def _load_keys(self) -> list[str]:
+        return [key for batch in self._reads.batches.values() for key in batch.keys]
 
     def save_layer(self, layer: int, event: Event) -> None:
         """Queue layer `layer`'s saves; they read its KV only after `event`.
@@ -188,6 +264,10 @@ class LayerwiseStep:
         """
         host = self._host
         jobs = self._end()
+        if self._loads_given_up is None:
+            self._await_reads(jobs)
+        if self._loads_given_up is not None:  # their calls end in the background
+            jobs = [job for job in jobs if id(job) not in self._receiving]
         errors = []
         for job in jobs:
             try:
@@ -201,7 +281,12 @@ class LayerwiseStep:
         host.forget(self)
         with self._lock:
             if self._result is None:
-                self._result = self._load_outcome.result().merged(self._save_outcome.result())
+                loads = (
+                    self._load_outcome.result()
+                    if self._loads_given_up is None
+                    else self._given_up_result()
+                )
+                self._result = loads.merged(self._save_outcome.result())
             result = self._result
         if errors:
             raise errors[0]
@@ -230,7 +315,7 @@ class LayerwiseStep:
             if not self._ended:
                 self._ended = True
                 self._schedule_reads(len(self._reads.layers))
-                self._jobs.append(host.receive(end_reads))
+                self._jobs.append(self._receive(end_reads))
                 self._jobs.append(host.send(end_writes))
             return list(self._jobs)
 
@@ -244,6 +329,11 @@ class LayerwiseStep:
         layers = self._reads.layers
         while len(self._read_jobs) < min(count, len(layers)):
             layer = layers[len(self._read_jobs)]
-            job = self._host.receive(functools.partial(self._reads.read, layer))
+            job = self._receive(functools.partial(self._reads.read, layer))
             self._read_jobs.append(job)
             self._jobs.append(job)
+
+    def _receive(self, work: Callable[[], None]) -> Job:
+        job = self._host.receive(work)
+        self._receiving.add(id(job))
+        return job

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from hybridkv.transport.cache_reads import CacheReads
+from hybridkv.transport.cache_access import CacheAccess
 from hybridkv.transport.errors import Status
 
 
@@ -69,7 +69,7 @@ class Outcome:
         self.no_space = False  # the pool refused some key for want of room
         self._unblamed: set[str] = set()  # see TransferResult.unblamed_keys
         self._store_failed: set[str] = set()  # keys whose last status was a failure
-        self.cache_reads = CacheReads()  # a save's: called off when its waiter gives up
+        self.cache_access = CacheAccess()  # called off when its waiter gives up
 
     def ride(self, count: int) -> None:
         with self._lock:

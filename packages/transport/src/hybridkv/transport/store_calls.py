@@ -126,10 +126,6 @@ class ClientSessions:
 class Transfers:
     """Shared plumbing of every session kind: issuing split calls and recording fates."""
 
-    # Saves read the caches (copies into staging, calls in place): their waiter may call
-    # those reads off (see `CacheReads`).
-    reads_caches = False
-
     def __init__(
         self,
         store: Store,
@@ -182,8 +178,7 @@ class Transfers:
         pool's put or get thread: the copy of one slice runs while another's call moves bytes.
         """
         parts = self.options.split(call.nbytes, call.pieces)
-        if self.reads_caches and call.in_place:
-            send = self._while_reading(send)
+        send = self.touching_caches(call, send)
         if self.pool is None:
             return self.issue_serially(call, parts, operation, send, level)
         if after is not None:
@@ -224,7 +219,7 @@ class Transfers:
             for part in parts:
                 allowed = True
                 if before is not None:
-                    with self.outcome.cache_reads.reading() as allowed:
+                    with self.outcome.cache_access.touching() as allowed:
                         if allowed:
                             before(part)
                 call_made = send if allowed else _called_off
@@ -236,15 +231,18 @@ class Transfers:
             failed += self._settle(call, part, operation, done.result(), level)
         return failed
 
-    def _while_reading(self, send: StoreCall) -> StoreCall:
-        """`send` reading the caches in place: made only while the save's cache reads are
-        not called off, and waited for by `call_off`."""
+    def touching_caches(self, call: Call, send: StoreCall) -> StoreCall:
+        """`send` as made for `call`: one that moves bytes straight from or into the
+        caches is made only while the transfer's cache access is not called off, and is
+        waited for by `call_off` (see `CacheAccess`)."""
+        if not call.in_place:
+            return send
 
-        def reading(part: slice) -> list[Status]:
-            with self.outcome.cache_reads.reading() as allowed:
+        def touching(part: slice) -> list[Status]:
+            with self.outcome.cache_access.touching() as allowed:
                 return send(part) if allowed else _called_off(part)
 
-        return reading
+        return touching
 
     def _get_pipelined(
         self,
@@ -265,7 +263,11 @@ class Transfers:
                 failed_here = self._settle(call, part, operation, done.result(), level)
                 self.fail(failed_here)  # before the copy: failed rows are never written
                 failed += failed_here
-                after(part)
+                with self.outcome.cache_access.touching() as allowed:
+                    if allowed:
+                        after(part)
+                    else:  # given up: the caches' blocks may hold other KV by now
+                        self.fail(call.rows[part], blamed=False)
         finally:
             wait(calls)  # even if a copy failed: a call may still write the slabs
         return failed
@@ -333,7 +335,7 @@ def _guarded(send: StoreCall, part: slice, operation: str) -> list[Status]:
 
 def _called_off(part: slice) -> list[Status]:
     raise CalledOff(
-        f"not made: the save's waiter gave up on it, and its {part.stop - part.start} "
+        f"not made: the transfer's waiter gave up on it, and its {part.stop - part.start} "
         "keys' blocks may hold other KV by now"
     )
 

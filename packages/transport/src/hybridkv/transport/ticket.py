@@ -53,8 +53,10 @@ class Ticket:
         return result
 
     def call_off(self) -> None:
-        """A save its waiter gives up on: once this returns it reads the caches no more
-        (a read in progress ended: a copy, or one store call in place), and what it has
-        not read yet fails, never written. What it already read may still be stored."""
+        """A transfer its waiter gives up on: once this returns it touches the caches no
+        more (an access in progress ended: a copy, or one store call in place). A save
+        fails what it has not read yet, never written (what it read may still be stored);
+        a load fails every block it has not written yet, and its store calls may still
+        run into staging, never into the caches."""
         for outcome in self._outcomes:
-            outcome.cache_reads.call_off()
+            outcome.cache_access.call_off()

@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 class Writes(Transfers, ABC):
     """A batch of saves; a group completes once all of its own layers were written."""
 
-    reads_caches = True
-
     def __init__(
         self,
         store: Store,
