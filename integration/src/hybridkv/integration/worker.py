@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 # A step that computed nothing waits this long at most for a background load to finish,
 # polling it this often (sleeping: the load gets the CPU).
 IDLE_LOAD_WAIT_S = 0.05
-IDLE_POLL_S = 0.001
 
 
 class WorkerSide:
@@ -417,14 +416,17 @@ class WorkerSide:
         return done | late | unstarted.keys()
 
     def _wait_for_a_load(self) -> None:
-        """On a step that computed nothing, wait (at most IDLE_LOAD_WAIT_S) for a
-        background load to finish: vLLM would otherwise run empty steps back to back,
-        competing with the load for the CPU, until one reports it."""
-        deadline = time.monotonic() + IDLE_LOAD_WAIT_S
-        while self._async_loads and time.monotonic() < deadline:
-            if any(ticket.done for ticket, _, _ in self._async_loads.values()):
-                return
-            time.sleep(IDLE_POLL_S)
+        """On a step that computed nothing, block (at most IDLE_LOAD_WAIT_S, or until its
+        deadline) for the oldest background load: vLLM would otherwise run empty steps back
+        to back, and the engine spinning through them starves the transfer of the CPU."""
+        if not self._async_loads:
+            return
+        ticket, _, due = next(iter(self._async_loads.values()))  # the first queued
+        now = time.monotonic()
+        try:
+            ticket.wait(max(0.0, min(due, now + IDLE_LOAD_WAIT_S) - now))
+        except Exception:  # still running, or failed: `finished` tells which
+            return
 
     def take_stored_events(self) -> list[HeadStored]:
         """Events of the blocks whose puts were settled (by the barrier) since the last call:

@@ -315,7 +315,8 @@ class LayerwiseStep:
             if not self._ended:
                 self._ended = True
                 self._schedule_reads(len(self._reads.layers))
-                self._jobs.append(self._receive(end_reads))
+                if self._reads.batches:  # else nothing to end: not queued behind others' gets
+                    self._jobs.append(self._receive(end_reads))
                 self._jobs.append(host.send(end_writes))
             return list(self._jobs)
 
