@@ -28,7 +28,7 @@ from hybridkv.integration.transfer_strategy import (
     TransferStrategy,
     WholeBlocks,
 )
-from hybridkv.integration.worker import WorkerSide
+from hybridkv.integration.worker import IDLE_LOAD_WAIT_S, WorkerSide
 from hybridkv.transport import (
     BlockTransfer,
     CpuEvent,
@@ -740,33 +740,41 @@ def test_failed_keys_of_several_ranks_reach_the_scheduler_as_one_set() -> None:
 
 
 class _SlowTicket:
-    """A background load that is done from its `polls`-th look on."""
+    """A background load that is done `seconds` after it began."""
 
-    def __init__(self, polls: int) -> None:
-        self._left = polls
+    def __init__(self, seconds: float) -> None:
+        self._done_at = time.monotonic() + seconds
+        self.looks = 0
 
     @property
     def done(self) -> bool:
-        self._left -= 1
-        return self._left <= 0
+        self.looks += 1
+        return time.monotonic() >= self._done_at
 
     def wait(self, timeout: float | None = None) -> TransferResult:
+        left = self._done_at - time.monotonic()
+        if timeout is not None and timeout < left:
+            time.sleep(timeout)
+            raise TimeoutError
+        time.sleep(max(0.0, left))
         return TransferResult()
 
 
 @pytest.mark.parametrize("idle", [False, True])
 def test_a_step_computing_nothing_waits_for_a_background_load(rig: Any, idle: bool) -> None:
     """With only requests waiting for their KV, vLLM runs empty steps back to back; the
-    worker then waits a little for a load instead of reporting nothing at once."""
+    worker then blocks a little for a load instead of reporting nothing at once, and
+    without polling it (an engine spinning there starved a P/D decode's transfer)."""
     worker, _, _ = rig
-    # Background loads that each need five looks before they are done.
-    engine = _EngineLoading(worker.engine, lambda transfers, ready=None: _SlowTicket(5))
+    ticket = _SlowTicket(IDLE_LOAD_WAIT_S / 4)  # done within the idle wait, not at once
+    engine = _EngineLoading(worker.engine, lambda transfers, ready=None: ticket)
     slow = WorkerSide(worker.keys, engine, worker.strategy, 0, CpuEvent)
     load = RequestTransfers(request_id="c", loads=_refs([(0, 0, 4)]), load_async=True)
     slow.begin_step(HybridKVMetadata([load], idle=idle))
     slow.start_async_loads()
     slow.end_step()
     assert slow.finished() == ({"c"} if idle else set())
+    assert ticket.looks <= 2
 
 
 def _stored_event(index: int) -> Any:
