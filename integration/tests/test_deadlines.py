@@ -18,6 +18,7 @@ returns at the deadline, and the put given up still runs when the third step com
 saves ("group") read the caches during the store call itself: the barrier also waits for
 the one call in flight (at most the store timeout), so that call may have ended by the
 third step, which then saves again and is given up in turn (its deadline plus that call).
+Layer by layer, each step's end gives its own saves up at the deadline, the same way.
 
 Loads: a step's load (before the forward) and a background load (vLLM's async path) from
 the stalled holder are given up at the deadline (in place: plus the one call in flight);
@@ -29,7 +30,7 @@ and the gets given up end, none of what they brought was written into the caches
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,14 @@ class Side:
         self.engine = TransferEngine(store, layouts, options)
         strategy: TransferStrategy = WholeBlocks(self.engine, CpuEvent, DEADLINE_S)
         if layerwise:  # no layer reports: the step's loads are waited for at its end
-            steps = LayerwiseStrategy(self.engine, [0, 1], {}, CpuEvent, load_deadline_s=DEADLINE_S)
+            steps = LayerwiseStrategy(
+                self.engine,
+                [0, 1],
+                {},
+                CpuEvent,
+                load_deadline_s=DEADLINE_S,
+                save_deadline_s=DEADLINE_S,
+            )
             sizes = {group: layout.object_size for group, layout in self.engine.layouts.items()}
             layer_plan = VllmLayerPlan(frozenset(), frozenset(), frozenset())
             strategy = VllmLayerwise(steps, layer_plan, sizes)
@@ -135,35 +143,39 @@ def pool(
     writer.close()
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("granularity", ["staged", "group"])
-def test_the_save_barrier_gives_up_at_its_deadline_and_the_pool_never_holds_reused_blocks(
-    granularity: Granularity, pool: tuple[Any, MooncakeStore, MooncakeStore], vllm_specs: Any
+def test_saves_are_given_up_at_their_deadline_and_the_pool_never_holds_reused_blocks(
+    granularity: Granularity,
+    layerwise: bool,
+    pool: tuple[Any, MooncakeStore, MooncakeStore],
+    vllm_specs: Any,
 ) -> None:
     holder, writer, reader = pool
-    saver = Side(vllm_specs, writer, granularity)
+    saver = Side(vllm_specs, writer, granularity, layerwise)
     try:
         saver.save("warm-up", range(0, 1))  # the handshake with the holder, before the stall
         saver.worker.barrier()
         assert saver.worker.totals.snapshot(reset=True)["saved_blocks"] == 1
         saver.worker.take_stored_events()
         with stalled(holder.pid):
-            saver.save("first", FIRST)
-            saver.save("second", SECOND)
-            started = time.monotonic()
-            saver.worker.barrier()
-            waited = time.monotonic() - started
-            saver.save("third", THIRD)
-            started = time.monotonic()
-            saver.worker.barrier()
-            waited_third = time.monotonic() - started
+            waits = [
+                _timed(lambda: saver.save("first", FIRST)),
+                _timed(lambda: saver.save("second", SECOND)),
+                _timed(saver.worker.barrier),
+            ]
+            waited_third = _timed(lambda: (saver.save("third", THIRD), saver.worker.barrier()))
             saver.cache[:, 1:11] = GARBAGE  # vLLM reuses the blocks
         totals = saver.worker.totals.snapshot(reset=True)
         announced = saver.worker.take_stored_events()
         stored_again = _saves_resume(saver, reader)
     finally:
         saver.worker.close()  # the engine drains what it still runs
+    # Whole blocks: the barrier gives both steps' saves up at once. Layer by layer: each
+    # step's end gives its own up (in place, the second step's saves were issued once the
+    # first's call in flight had ended, and stall in turn).
     bound = DEADLINE_S + (STORE_TIMEOUT_S if granularity == "group" else 0)
-    assert waited < bound + 2.0  # not the store's timeout per call (10 s and more)
+    assert max(waits) < bound + 2.0, waits  # not the store's timeout per call (10 s and more)
     if granularity == "staged":
         assert waited_third < DEADLINE_S  # nothing issued, nothing to wait for
     else:
@@ -176,9 +188,16 @@ def test_the_save_barrier_gives_up_at_its_deadline_and_the_pool_never_holds_reus
         out = np.zeros(2 * saver.cache[0, 0].numel(), dtype=np.float32)
         (status,) = reader.batch_get_whole([saver.key(block)], [[out.ctypes.data]], [[out.nbytes]])
         held[block] = status if status is not Status.OK else set(out.tolist())
-    # Whole and right, or not there; the second step's saves never read a block.
-    assert all(held[b] in (Status.NOT_FOUND, {float(b)}) for b in FIRST), held
-    assert all(held[b] is Status.NOT_FOUND for b in (*SECOND, *THIRD)), held
+    # Whole and right, or not there: nothing was read from a block once it was given up.
+    assert all(held[b] in (Status.NOT_FOUND, {float(b)}) for b in held), held
+    if granularity == "staged":  # the second and third steps' saves never read a block
+        assert all(held[b] is Status.NOT_FOUND for b in (*SECOND, *THIRD)), held
+
+
+def _timed(call: Callable[[], object]) -> float:
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
 
 
 def _saves_resume(saver: Side, reader: MooncakeStore) -> bool:

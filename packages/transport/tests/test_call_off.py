@@ -11,7 +11,8 @@ Loads: two loads queue behind a get that hangs. A staged load's call-off returns
 writes the caches until it returns). Once the call-off returned, the owner reuses the
 blocks, the gets go on, and nothing they bring is written into the caches: what was
 not written before the call-off returned fails. A layer-by-layer step gives its loads up
-at its deadline likewise, and its `finish()` does not wait for their calls.
+at its deadline likewise, and its `finish()` does not wait for their calls; and its saves:
+what was staged before the deadline may still be stored whole, nothing is read after it.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from hybridkv.transport.store import Pointers, Sizes
 
 
 class GatedStore(MemoryStore):
-    """Puts or gets (`gated`: whole puts, or whole and ranged gets) wait at a gate the
-    test opens."""
+    """Puts or gets (`gated`: whole and ranged ones) wait at a gate the test opens."""
 
     def __init__(self, gated: str) -> None:
         super().__init__()
@@ -52,6 +52,16 @@ class GatedStore(MemoryStore):
     ) -> list[Status]:
         self._pass("put")
         return super().batch_put_whole(keys, ptrs, sizes)
+
+    def put_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Pointers],
+        sizes: Sequence[Sizes],
+        offsets: Sequence[Sizes],
+    ) -> list[Status]:
+        self._pass("put")
+        return super().put_ranges(keys, ptrs, sizes, offsets)
 
     def batch_get_whole(
         self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
@@ -254,3 +264,73 @@ def test_a_slow_forward_does_not_spend_a_layerwise_step_s_load_deadline() -> Non
         engine.close()
     assert failed == [{}] * NUM_LAYERS
     assert result.ok
+
+
+@pytest.mark.parametrize("granularity", ["staged", "layer"])
+def test_a_layerwise_step_gives_its_saves_up_at_the_deadline_and_stores_nothing_it_had_not_read(
+    granularity: str,
+) -> None:
+    """Staged, every layer was copied before the deadline: the put given up stores them
+    whole once it goes on. In place ("layer"), each layer's put reads the caches: the one
+    at the gate was waited for (the gate opens after 1 s), none after it is made."""
+    store = GatedStore("put")
+    caches = Caches(8)
+    caches.fill()
+    engine = engine_for(store, caches, granularity)
+    saves = transfers({0: [2, 3]}, "s", "saved")
+    expected = {t.key: caches.block_bytes(0, t.local_block) for t in saves}
+    opener = threading.Timer(1.0, store.gate.set)
+    try:
+        step = engine.begin_layerwise(saves=saves, save_deadline_s=0.3)
+        for layer in range(NUM_LAYERS):
+            step.save_layer(layer, CpuEvent())
+        assert store.entered.wait(timeout=10)
+        if granularity == "layer":
+            opener.start()
+        started = time.monotonic()
+        result = step.finish()
+        waited = time.monotonic() - started
+        running_after_finish = step.saves_running
+        caches.fill()  # the blocks hold other KV now
+        store.gate.set()
+        limit = time.monotonic() + 10
+        while step.saves_running and time.monotonic() < limit:
+            time.sleep(0.05)
+        ended = not step.saves_running
+    finally:
+        opener.cancel()
+        store.gate.set()
+        engine.close()
+    assert sorted(result.failed_keys) == sorted(expected)
+    assert ended
+    size = engine.layouts[0].object_size
+    held = {
+        key: read_object(store, key, size) for key in expected if store.batch_is_readable([key])[0]
+    }
+    if granularity == "staged":
+        assert waited < 0.9
+        assert running_after_finish
+        assert held == expected  # copied before the deadline: stored whole
+    else:
+        assert waited >= 0.5  # the put in progress read the caches: waited for
+        assert all(held[key] == expected[key] for key in held)  # never the new KV
+
+
+def test_a_layerwise_step_without_saves_never_waits_behind_a_stalled_save() -> None:
+    store = GatedStore("put")
+    caches = Caches(8)
+    caches.fill()
+    engine = engine_for(store, caches, "staged")
+    try:
+        stalled_save = engine.save(transfers({0: [0, 1]}, "w", "whole"))  # a whole save
+        assert store.entered.wait(timeout=10)
+        step = engine.begin_layerwise(saves=[], save_deadline_s=5.0)
+        started = time.monotonic()
+        result = step.finish()
+        waited = time.monotonic() - started
+    finally:
+        store.gate.set()
+        engine.close()
+    assert waited < 1.0  # not the stalled put's call
+    assert result.ok
+    assert stalled_save.wait(timeout=30).ok

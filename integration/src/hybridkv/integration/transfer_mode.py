@@ -28,6 +28,7 @@ class TransferMode:
     layerwise: bool
     options: PipelineOptions
     load_deadline_s: float = 10.0  # see ConnectorConfig.load_deadline_s
+    save_deadline_s: float = 10.0  # see ConnectorConfig.save_deadline_s
 
     @classmethod
     def choose(
@@ -46,6 +47,7 @@ class TransferMode:
                 full_pool_pause_s=config.full_pool_pause_s,
             ),
             load_deadline_s=config.load_deadline_s,
+            save_deadline_s=config.save_deadline_s,
         )
 
     @property
@@ -60,7 +62,9 @@ class TransferMode:
             from hybridkv.integration.layerwise.vllm_window import build_vllm_layerwise
 
             context = vllm_config.compilation_config.static_forward_context
-            return build_vllm_layerwise(engine, context, device, vllm_config, self.load_deadline_s)
+            return build_vllm_layerwise(
+                engine, context, device, vllm_config, self.load_deadline_s, self.save_deadline_s
+            )
         return WholeBlocks(engine, lambda: make_event(device), self.load_deadline_s)
 
 

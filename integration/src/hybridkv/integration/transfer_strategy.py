@@ -93,6 +93,10 @@ class TransferStrategy(Protocol):
         on some rank, save nothing more. Returns what waits for the step's saves (None:
         nothing to wait for); the worker waits for it before vLLM can reuse a saved block."""
 
+    def saves_in_background(self) -> bool:
+        """Whether saves the strategy gave up at their deadline still have calls running
+        (a later save would queue behind them)."""
+
     def take_stats(self) -> dict[str, float]:
         """Mode-specific counters since the last call (summed into the connector stats)."""
 
@@ -173,6 +177,9 @@ class WholeBlocks:
         ready = self._new_event()
         ready.record()  # the forward's cache writes
         return self.engine.save(saves, ready)
+
+    def saves_in_background(self) -> bool:
+        return False  # its saves are waited for (and given up) by the worker's barrier
 
     def take_stats(self) -> dict[str, float]:
         return {}

@@ -281,6 +281,14 @@ class WorkerSide:
             for save in saves:
                 self._announce.pop(save.key, None)
             saves = []
+        self._given_up = [save for save in self._given_up if not save.done]
+        if saves and (self._given_up or self.strategy.saves_in_background()):
+            # Saves given up at their deadline still run (a stalled holder): this step's
+            # would only queue behind them (and a layerwise step's would hold the forward).
+            for save in saves:
+                self._announce.pop(save.key, None)
+            self._count(failed_save_blocks=len(saves))
+            saves = []
         self._count(loaded_blocks=loaded_blocks)
         self._step_saves = saves
         self._sync_loads = sync
@@ -349,11 +357,8 @@ class WorkerSide:
         failed = self.settle_loads()
         announce, self._announce = self._announce, {}
         saves, self._step_saves = self._step_saves, []
-        self._given_up = [save for save in self._given_up if not save.done]
         try:
-            # While saves given up still run, this step's would wait behind them: not issued
-            # (counted as failed below), so the next barrier does not wait out its deadline.
-            wait = self.strategy.end_step(keep_saves=not failed and not self._given_up)
+            wait = self.strategy.end_step(keep_saves=not failed)
         except Exception:  # the client raised: none of the step's saves is stored
             logger.exception("hybridkv: this step's saves could not be issued; not stored")
             wait = None

@@ -89,7 +89,9 @@ class LayerwiseStrategy:
     forward; a later layer never carries one still waiting for them. `new_event` makes the
     device event of the compute stream (`hybridkv.transport.make_event(device)` in
     production). Once a step waited `load_deadline_s` in all for its loads, those still
-    running are given up: every one of them fails (vLLM recomputes them).
+    running are given up: every one of them fails (vLLM recomputes them). Saves likewise
+    at `save_deadline_s`: none of them is announced, and while their calls still run
+    (`saves_in_background`), the worker issues no save.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class LayerwiseStrategy:
         new_event: Callable[[], Event],
         always_report: Collection[str] = (),
         load_deadline_s: float | None = None,
+        save_deadline_s: float | None = None,
     ) -> None:
         unknown = sorted(name for name, layer in reporters.items() if layer not in set(layers))
         if unknown:
@@ -110,6 +113,8 @@ class LayerwiseStrategy:
         self._always_report = frozenset(always_report) & set(reporters)
         self._new_event = new_event
         self._load_deadline_s = load_deadline_s
+        self._save_deadline_s = save_deadline_s
+        self._given_up: list[LayerwiseStep] = []  # steps whose saves were given up
         self._state: _StepState | None = None
         # The keys whose reads the store failed in the step drained last (see `abort`).
         self._drained_blame: list[str] = []
@@ -144,7 +149,12 @@ class LayerwiseStrategy:
         unreported: dict[int, set[str]] = {layer: set() for layer in self._layers}
         for name, layer in self._reporters.items():
             unreported[layer].add(name)
-        step = self._engine.begin_layerwise(loads, saves, load_deadline_s=self._load_deadline_s)
+        step = self._engine.begin_layerwise(
+            loads,
+            saves,
+            load_deadline_s=self._load_deadline_s,
+            save_deadline_s=self._save_deadline_s,
+        )
         # A step with nothing to put submits no layer (a decode step, mostly).
         unsubmitted = list(self._layers) if saves else []
         self._state = _StepState(
@@ -229,6 +239,13 @@ class LayerwiseStrategy:
         finally:
             self.stats.finish_wait_s += time.perf_counter() - started
             self.stats.steps += state.moves
+            if state.step.saves_running:
+                self._given_up.append(state.step)
+
+    def saves_in_background(self) -> bool:
+        """Whether saves given up at their deadline still have calls running."""
+        self._given_up = [step for step in self._given_up if step.saves_running]
+        return bool(self._given_up)
 
     def abort(self) -> None:
         """Drain the open step fully (teardown or error): nothing stays in flight.
@@ -246,6 +263,8 @@ class LayerwiseStrategy:
         except Exception:
             log.warning("layerwise step drained after an error", exc_info=True)
         self._drained_blame = state.step.blamed_loads()
+        if state.step.saves_running:
+            self._given_up.append(state.step)
 
     def blamed_loads(self) -> list[str]:
         """Keys whose reads the store failed (a status about their objects) in the open

@@ -229,6 +229,9 @@ class VllmLayerwise:
         )
         return SettledSave(saved)
 
+    def saves_in_background(self) -> bool:
+        return self.strategy.saves_in_background()
+
     def take_stats(self) -> dict[str, float]:
         stats = self.strategy.reset_stats().as_dict()
         stats["layerwise_steps"] = stats.pop("steps")
@@ -298,6 +301,7 @@ def build_vllm_layerwise(
     device: str,
     vllm_config: Any = None,
     load_deadline_s: float | None = None,
+    save_deadline_s: float | None = None,
 ) -> VllmLayerwise:
     """Everything the worker needs, from its engine and the model's layer modules.
 
@@ -320,6 +324,7 @@ def build_vllm_layerwise(
         new_event=lambda: make_event(device),
         always_report=plan.windows | plan.after_kernel,
         load_deadline_s=load_deadline_s,
+        save_deadline_s=save_deadline_s,
     )
     sizes = {group: layout.object_size for group, layout in engine.layouts.items()}
     layerwise = VllmLayerwise(

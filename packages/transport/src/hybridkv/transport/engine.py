@@ -174,10 +174,11 @@ class TransferEngine:
         saves: Sequence[BlockTransfer] = (),
         ready: Event | None = None,
         load_deadline_s: float | None = None,
+        save_deadline_s: float | None = None,
     ) -> LayerwiseStep:
-        """Start one forward step's transfers: prefetch loads, open saves; loads still
-        running once the step waited `load_deadline_s` for them are given up (see
-        `LayerwiseStep`).
+        """Start one forward step's transfers: prefetch loads, open saves; loads (saves)
+        still running once the step waited `load_deadline_s` (`save_deadline_s`) for them
+        are given up (see `LayerwiseStep`).
 
         Loads write the caches only after `ready` (earlier work on the compute stream, e.g.
         vLLM zeroing new blocks); `wait_layer_loaded(layer, ready)` moves that point on for
@@ -192,7 +193,9 @@ class TransferEngine:
             claim, outcome = self._claim(saves)
             writes = self._session(self._kinds.step_writes, claim.write, outcome)
             self._tracker.begin("load", _requests(loads))
-            step = LayerwiseStep(self._host, loads, reads, claim, writes, ready, load_deadline_s)
+            step = LayerwiseStep(
+                self._host, loads, reads, claim, writes, ready, load_deadline_s, save_deadline_s
+            )
             self._steps[step] = None
         return step
 

@@ -76,6 +76,12 @@ class LayerwiseStep:
     given up: called off (no write into the caches once `wait_layer_loaded` returns), every
     load block fails and is blamed, and `finish()` no longer waits for them (their calls
     end in the background).
+
+    Saves likewise: once the step has waited `save_deadline_s` in all for its saves (room
+    in the backlog, a checkpoint, `finish()`), they are given up: called off (no layer is
+    read from the caches once the wait returns: a put of what was copied into staging may
+    still store it, whole), every save key fails, and `finish()` returns without waiting
+    for their calls; `saves_running` tells when those calls have ended.
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class LayerwiseStep:
         writes: Writes,
         ready: Event | None = None,
         load_deadline_s: float | None = None,
+        save_deadline_s: float | None = None,
     ) -> None:
         """`reads` of `loads` and `writes` of `claim`'s saves, both of this step's
         granularity; the engine began counting the loads and claimed the saves."""
@@ -94,6 +101,9 @@ class LayerwiseStep:
         self._load_deadline_s = load_deadline_s
         self._load_wait_left = load_deadline_s  # None: no deadline
         self._loads_given_up: dict[int, set[int]] | None = None
+        self._save_deadline_s = save_deadline_s
+        self._save_wait_left = save_deadline_s  # None: no deadline
+        self._saves_given_up = False
         self._receiving: set[int] = set()  # ids of the jobs on the receive thread
         self._load_outcome = reads.outcome
         self._reads = reads
@@ -114,7 +124,8 @@ class LayerwiseStep:
         if self._reads.batches:
             self._jobs.append(self._receive(self._reads.begin))
             self._schedule_reads(host.prefetch_layers + 1)
-        self._jobs.append(host.send(functools.partial(host.prepare, self._writes)))
+        if self._writes.batches:  # else nothing to open: not queued behind others' puts
+            self._jobs.append(host.send(functools.partial(host.prepare, self._writes)))
 
     def wait_layer_loaded(self, layer: int, ready: Event | None = None) -> dict[int, set[int]]:
         """Block until every load this layer needs is done; returns failed local blocks.
@@ -188,6 +199,53 @@ class LayerwiseStep:
             failed_keys=self._load_keys(),
         )
 
+    @property
+    def saves_running(self) -> bool:
+        """Whether saves given up still have calls running (a stalled holder's put): a
+        later step's saves would only queue behind them."""
+        return self._saves_given_up and not all(
+            job.done for job in self._jobs if id(job) not in self._receiving
+        )
+
+    def _await_saves(self, jobs: Sequence[Job]) -> None:
+        """Wait for the send thread's jobs until the save deadline (then give the saves
+        up); what they raised is raised by the caller's own wait."""
+        for job in jobs:
+            if id(job) not in self._receiving and not self._await_save(job.wait):
+                return
+
+    def _await_save(self, wait: Callable[[float | None], object]) -> bool:
+        """`wait(timeout)` within what is left of the step's wait for saves; false (the
+        saves given up) once that is spent: a TimeoutError, or a wait that returned false."""
+        left = self._save_wait_left
+        started = time.monotonic()
+        try:
+            done = wait(left) is not False
+        except TimeoutError:
+            done = False
+        except BaseException:
+            return True  # raised again where the job is waited for
+        finally:
+            if left is not None:
+                self._save_wait_left = max(0.0, left - (time.monotonic() - started))
+        if not done:
+            self._give_up_saves()
+        return done
+
+    def _give_up_saves(self) -> None:
+        """Call the saves off (a copy or an in-place call in progress ends first)."""
+        self._save_outcome.cache_access.call_off()
+        self._saves_given_up = True
+        log.warning(
+            "layerwise saves of %d objects still running after the step waited "
+            "save_deadline_s (%g s) for them: given up, none is announced",
+            len(self._save_keys()),
+            self._save_deadline_s,
+        )
+
+    def _save_keys(self) -> list[str]:
+        return [transfer.key for transfer in (*self._claim.write, *self._claim.ride)]
+
     def blamed_loads(self) -> list[str]:
         """Keys whose reads the store failed so far (a status about them): the objects to
         distrust.
@@ -227,7 +285,8 @@ class LayerwiseStep:
             return
         self._deferred = []
         backlog = self._host.backlog
-        backlog.acquire()
+        if self._saves_given_up or not self._await_save(backlog.acquire):
+            return
 
         def work() -> None:
             try:
@@ -247,7 +306,9 @@ class LayerwiseStep:
 
     def checkpoint(self) -> None:
         """At an attention boundary: at most `backlog` saves in flight; surface errors."""
-        self._host.backlog.wait_at_most(self._host.backlog.bound)
+        backlog = self._host.backlog
+        if not self._saves_given_up:
+            self._await_save(lambda timeout: backlog.wait_at_most(backlog.bound, timeout))
         for job in self._jobs:
             if job.done and job.error is not None:
                 raise job.error
@@ -268,16 +329,20 @@ class LayerwiseStep:
             self._await_reads(jobs)
         if self._loads_given_up is not None:  # their calls end in the background
             jobs = [job for job in jobs if id(job) not in self._receiving]
+        if not self._saves_given_up:
+            self._await_saves(jobs)
+        if self._saves_given_up:  # their calls end in the background
+            jobs = [job for job in jobs if id(job) in self._receiving]
         errors = []
         for job in jobs:
             try:
                 job.wait()
             except BaseException as exc:
                 errors.append(exc)
-        if self._save_outcome.riding:
+        if self._save_outcome.riding and not self._saves_given_up:
             for earlier in host.open_steps_before(self):  # any write this rides on
                 earlier._end()
-        self._save_outcome.wait_riders()
+            self._await_save(self._save_outcome.wait_riders)
         host.forget(self)
         with self._lock:
             if self._result is None:
@@ -286,7 +351,12 @@ class LayerwiseStep:
                     if self._loads_given_up is None
                     else self._given_up_result()
                 )
-                self._result = loads.merged(self._save_outcome.result())
+                saves = (
+                    TransferResult(failed_keys=self._save_keys())
+                    if self._saves_given_up
+                    else self._save_outcome.result()
+                )
+                self._result = loads.merged(saves)
             result = self._result
         if errors:
             raise errors[0]
@@ -317,7 +387,8 @@ class LayerwiseStep:
                 self._schedule_reads(len(self._reads.layers))
                 if self._reads.batches:  # else nothing to end: not queued behind others' gets
                     self._jobs.append(self._receive(end_reads))
-                self._jobs.append(host.send(end_writes))
+                if self._writes.batches:
+                    self._jobs.append(host.send(end_writes))
             return list(self._jobs)
 
     def _check_open(self) -> None:

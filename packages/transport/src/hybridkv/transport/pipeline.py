@@ -221,18 +221,22 @@ class Backlog:
         with self._cond:
             return self._outstanding
 
-    def acquire(self) -> None:
-        """Wait for room; with bound 0 one save may run (checkpoints then wait for it)."""
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Wait for room (at most `timeout`; false, and nothing taken, if none came); with
+        bound 0 one save may run (checkpoints then wait for it)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._outstanding < max(self.bound, 1))
+            if not self._cond.wait_for(lambda: self._outstanding < max(self.bound, 1), timeout):
+                return False
             self._outstanding += 1
             self.peak = max(self.peak, self._outstanding)
+            return True
 
     def release(self) -> None:
         with self._cond:
             self._outstanding -= 1
             self._cond.notify_all()
 
-    def wait_at_most(self, count: int) -> None:
+    def wait_at_most(self, count: int, timeout: float | None = None) -> bool:
+        """Wait until `count` saves or fewer are queued; false if not within `timeout`."""
         with self._cond:
-            self._cond.wait_for(lambda: self._outstanding <= count)
+            return self._cond.wait_for(lambda: self._outstanding <= count, timeout)

@@ -89,7 +89,15 @@ class Writes(Transfers, ABC):
         self.open()
 
     def write_layer(self, layer: int) -> None:
-        self.write_ranges(layer)
+        """Write `layer`'s ranges, and commit the groups it completes. Once the saves were
+        called off, nothing more is read from the caches: the groups not complete are
+        dropped (those committed before stay)."""
+        with self.outcome.cache_access.touching() as allowed:
+            if allowed:
+                self.write_ranges(layer)
+        if not allowed:  # the caches' blocks may hold other KV by now
+            self.abort()
+            return
         complete = []
         for group, missing in self._missing.items():
             if layer in missing:
