@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from _engine_drive import engine_for, read_object
@@ -29,7 +29,17 @@ from hybridkv.transport import TransferEngine
 from hybridkv.transport.device_events import CpuEvent
 from hybridkv.transport.errors import Status
 from hybridkv.transport.memory_store import MemoryStore
-from hybridkv.transport.store import Pointers, Sizes
+
+
+def _gated(operation: str, method: str) -> Callable[..., list[Status]]:
+    """The memory store's `method`, waiting at the gate when `operation` is gated."""
+
+    def call(self: GatedStore, *args: Sequence[object]) -> list[Status]:
+        self.pass_gate(operation)
+        result: list[Status] = getattr(MemoryStore, method)(self, *args)
+        return result
+
+    return call
 
 
 class GatedStore(MemoryStore):
@@ -41,43 +51,16 @@ class GatedStore(MemoryStore):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def _pass(self, operation: str) -> None:
+    def pass_gate(self, operation: str) -> None:
         if operation == self.gated:
             self.entered.set()
             if not self.gate.wait(timeout=30):
                 raise AssertionError("the test never opened the gate")
 
-    def batch_put_whole(
-        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
-    ) -> list[Status]:
-        self._pass("put")
-        return super().batch_put_whole(keys, ptrs, sizes)
-
-    def put_ranges(
-        self,
-        keys: Sequence[str],
-        ptrs: Sequence[Pointers],
-        sizes: Sequence[Sizes],
-        offsets: Sequence[Sizes],
-    ) -> list[Status]:
-        self._pass("put")
-        return super().put_ranges(keys, ptrs, sizes, offsets)
-
-    def batch_get_whole(
-        self, keys: Sequence[str], ptrs: Sequence[Pointers], sizes: Sequence[Sizes]
-    ) -> list[Status]:
-        self._pass("get")
-        return super().batch_get_whole(keys, ptrs, sizes)
-
-    def get_ranges(
-        self,
-        keys: Sequence[str],
-        ptrs: Sequence[Pointers],
-        sizes: Sequence[Sizes],
-        offsets: Sequence[Sizes],
-    ) -> list[Status]:
-        self._pass("get")
-        return super().get_ranges(keys, ptrs, sizes, offsets)
+    batch_put_whole = _gated("put", "batch_put_whole")
+    put_ranges = _gated("put", "put_ranges")
+    batch_get_whole = _gated("get", "batch_get_whole")
+    get_ranges = _gated("get", "get_ranges")
 
 
 def test_a_called_off_save_never_stores_what_it_had_not_read() -> None:
@@ -227,12 +210,27 @@ def test_a_layerwise_step_finished_without_waiting_for_a_layer_still_gives_its_l
     assert result.failed_blocks == {0: {4, 5}}
 
 
-def test_a_layerwise_step_without_loads_never_waits_behind_a_stalled_load() -> None:
-    store, _, engine = saved_behind_a_gate("staged")
+@pytest.mark.parametrize("stalled", ["load", "save"])
+def test_a_layerwise_step_never_waits_behind_a_stalled_transfer_of_the_other_kind(
+    stalled: str,
+) -> None:
+    """A step without loads queues nothing behind a background load's stalled get, one
+    without saves nothing behind a whole save's stalled put."""
+    if stalled == "load":
+        store, _, engine = saved_behind_a_gate("staged")
+        saves = transfers({0: [2]}, "s", "saved")
+    else:
+        store, caches = GatedStore("put"), Caches(8)
+        caches.fill()
+        engine = engine_for(store, caches, "staged")
+        saves = []
     try:
-        stalled_load = engine.load(transfers({0: [4, 5]}, "r", "k"))  # a background load
+        if stalled == "load":
+            stalled_transfer = engine.load(transfers({0: [4, 5]}, "r", "k"))
+        else:
+            stalled_transfer = engine.save(transfers({0: [0, 1]}, "w", "whole"))
         assert store.entered.wait(timeout=10)
-        step = engine.begin_layerwise(saves=transfers({0: [2]}, "s", "saved"))
+        step = engine.begin_layerwise(saves=saves, save_deadline_s=5.0)
         for layer in range(NUM_LAYERS):
             step.save_layer(layer, CpuEvent())
         started = time.monotonic()
@@ -241,9 +239,9 @@ def test_a_layerwise_step_without_loads_never_waits_behind_a_stalled_load() -> N
     finally:
         store.gate.set()
         engine.close()
-    assert waited < 1.0  # not the stalled load's call
+    assert waited < 1.0  # not the stalled call
     assert result.ok
-    assert stalled_load.wait(timeout=30).ok
+    assert stalled_transfer.wait(timeout=30).ok
 
 
 def test_a_slow_forward_does_not_spend_a_layerwise_step_s_load_deadline() -> None:
@@ -314,23 +312,3 @@ def test_a_layerwise_step_gives_its_saves_up_at_the_deadline_and_stores_nothing_
     else:
         assert waited >= 0.5  # the put in progress read the caches: waited for
         assert all(held[key] == expected[key] for key in held)  # never the new KV
-
-
-def test_a_layerwise_step_without_saves_never_waits_behind_a_stalled_save() -> None:
-    store = GatedStore("put")
-    caches = Caches(8)
-    caches.fill()
-    engine = engine_for(store, caches, "staged")
-    try:
-        stalled_save = engine.save(transfers({0: [0, 1]}, "w", "whole"))  # a whole save
-        assert store.entered.wait(timeout=10)
-        step = engine.begin_layerwise(saves=[], save_deadline_s=5.0)
-        started = time.monotonic()
-        result = step.finish()
-        waited = time.monotonic() - started
-    finally:
-        store.gate.set()
-        engine.close()
-    assert waited < 1.0  # not the stalled put's call
-    assert result.ok
-    assert stalled_save.wait(timeout=30).ok
