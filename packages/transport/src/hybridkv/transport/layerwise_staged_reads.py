@@ -56,9 +56,8 @@ class LayerwiseStagedReads(StagedReads):
         if any(batch.layout.contiguous and batch.alive.any() for batch in self.batches.values()):
             self.caches_writable()  # contiguous objects are fetched straight into the caches
         parts = self.options.split(call.nbytes, call.pieces)
-        send = self.touching_caches(call, self._get_whole(call))
         self._fetch = self.pool.gets.submit(
-            self.issue_serially, call, parts, "batch_get_whole", send
+            self.issue_serially, call, parts, "batch_get_whole", self._get_whole(call)
         )
 
     def read_layer(self, layer: int) -> None:

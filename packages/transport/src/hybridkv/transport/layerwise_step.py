@@ -60,6 +60,24 @@ class StepHost(Protocol):
         """`step` has finished: `close()` need not finish it."""
 
 
+class WaitBudget:
+    """How long a step may still wait, in all, for one kind of its transfers (None: no
+    bound): the forward paces them, so only the waits count, not the step's age."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self._left = seconds
+
+    def spend(self, wait: Callable[[float | None], object]) -> object:
+        """`wait(timeout)` with what is left as the timeout; what it took is spent."""
+        left = self._left
+        started = time.monotonic()
+        try:
+            return wait(left)
+        finally:
+            if left is not None:
+                self._left = max(0.0, left - (time.monotonic() - started))
+
+
 class LayerwiseStep:
     """One forward step's layer-by-layer transfers.
 
@@ -99,10 +117,10 @@ class LayerwiseStep:
         granularity; the engine began counting the loads and claimed the saves."""
         self._host = host
         self._load_deadline_s = load_deadline_s
-        self._load_wait_left = load_deadline_s  # None: no deadline
+        self._load_wait = WaitBudget(load_deadline_s)
         self._loads_given_up: dict[int, set[int]] | None = None
         self._save_deadline_s = save_deadline_s
-        self._save_wait_left = save_deadline_s  # None: no deadline
+        self._save_wait = WaitBudget(save_deadline_s)
         self._saves_given_up = False
         self._receiving: set[int] = set()  # ids of the jobs on the receive thread
         self._load_outcome = reads.outcome
@@ -166,15 +184,7 @@ class LayerwiseStep:
     def _await_load(self, job: Job) -> None:
         """`job.wait()` within what is left of the step's wait for loads; TimeoutError once
         that is spent."""
-        left = self._load_wait_left
-        if left is None:
-            job.wait()
-            return
-        started = time.monotonic()
-        try:
-            job.wait(left)
-        finally:
-            self._load_wait_left = max(0.0, left - (time.monotonic() - started))
+        self._load_wait.spend(job.wait)
 
     def _give_up_loads(self) -> dict[int, set[int]]:
         """Call the loads off (an in-place call in progress ends first) and fail them all."""
@@ -217,17 +227,12 @@ class LayerwiseStep:
     def _await_save(self, wait: Callable[[float | None], object]) -> bool:
         """`wait(timeout)` within what is left of the step's wait for saves; false (the
         saves given up) once that is spent: a TimeoutError, or a wait that returned false."""
-        left = self._save_wait_left
-        started = time.monotonic()
         try:
-            done = wait(left) is not False
+            done = self._save_wait.spend(wait) is not False
         except TimeoutError:
             done = False
         except BaseException:
             return True  # raised again where the job is waited for
-        finally:
-            if left is not None:
-                self._save_wait_left = max(0.0, left - (time.monotonic() - started))
         if not done:
             self._give_up_saves()
         return done

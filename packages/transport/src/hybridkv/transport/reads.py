@@ -105,7 +105,6 @@ class Reads(Transfers, ABC):
             self.fail(self.issue(call, operation, send, after=after))
             return
         parts = self.options.split(call.nbytes, call.pieces)
-        send = self.touching_caches(call, send)
         if self.pool is None:
             self.fail(self.issue_serially(call, parts, operation, send))
         else:  # on the pool's get thread: its spin must not outrank Mooncake's own threads

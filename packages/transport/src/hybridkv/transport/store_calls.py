@@ -178,9 +178,9 @@ class Transfers:
         pool's put or get thread: the copy of one slice runs while another's call moves bytes.
         """
         parts = self.options.split(call.nbytes, call.pieces)
-        send = self.touching_caches(call, send)
         if self.pool is None:
             return self.issue_serially(call, parts, operation, send, level)
+        send = self.touching_caches(call, send)
         if after is not None:
             return self._get_pipelined(
                 call, finer(parts, call.nbytes), operation, send, after, level
@@ -198,6 +198,7 @@ class Transfers:
         level: int = logging.WARNING,
     ) -> list[tuple[GroupBatch, int]]:
         """Run `send` over `parts` one after another here; returns the rows that failed."""
+        send = self.touching_caches(call, send)
         failed: list[tuple[GroupBatch, int]] = []
         for part in parts:
             statuses = _guarded(send, part, operation)
